@@ -1,0 +1,247 @@
+//! Parsing `#[distributed_lock(...)]` arguments, keeping literals for their spans.
+
+use proc_macro2::{Span, TokenStream};
+use syn::meta::ParseNestedMeta;
+use syn::parse::Parser;
+use syn::spanned::Spanned;
+use syn::{Expr, Ident, LitInt, LitStr};
+
+use crate::duration::{self, DurationArg};
+use crate::key::{self, Template};
+
+const KNOWN: &str =
+    "`key`, `ttl`, `retries`, `retry_delay`, `wait`, `fencing`, `on_busy`, `guard`, `manager`";
+
+/// What to do when the lock is held by someone else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OnBusy {
+    Error,
+    Skip,
+}
+
+/// The validated arguments.
+#[derive(Default)]
+pub(crate) struct Args {
+    pub(crate) key: Option<Template>,
+    pub(crate) ttl: Option<DurationArg>,
+    pub(crate) retries: Option<(LitInt, u32)>,
+    pub(crate) retry_delay: Option<DurationArg>,
+    pub(crate) wait: Option<DurationArg>,
+    pub(crate) fencing: Option<Ident>,
+    pub(crate) on_busy: Option<(LitStr, OnBusy)>,
+    pub(crate) guard: Option<Ident>,
+    pub(crate) manager: Option<Expr>,
+}
+
+/// Collects errors so that one compile reports them all.
+#[derive(Default)]
+pub(crate) struct Errors(Option<syn::Error>);
+
+impl Errors {
+    pub(crate) fn push(&mut self, error: syn::Error) {
+        match &mut self.0 {
+            Some(all) => all.combine(error),
+            None => self.0 = Some(error),
+        }
+    }
+
+    pub(crate) fn finish(self) -> syn::Result<()> {
+        self.0.map_or(Ok(()), Err)
+    }
+}
+
+/// Parses the attribute's tokens. `call_site` is where a missing `key` is reported.
+pub(crate) fn parse(tokens: TokenStream, call_site: Span) -> syn::Result<Args> {
+    let mut args = Args::default();
+    let mut errors = Errors::default();
+    let mut key_seen = false;
+    let parser = syn::meta::parser(|meta| {
+        key_seen |= meta.path.is_ident("key");
+        if let Err(error) = args.one(&meta) {
+            errors.push(error);
+        }
+        Ok(())
+    });
+    parser.parse2(tokens)?;
+    if !key_seen {
+        errors.push(syn::Error::new(
+            call_site,
+            "missing `key`: name the lock, as in `#[distributed_lock(key = \"order:{order.id}\")]`",
+        ));
+    }
+    args.check_conflicts(&mut errors);
+    errors.finish()?;
+    Ok(args)
+}
+
+/// Stores `value` in `slot`, or reports a duplicate at the later argument.
+fn set<T>(slot: &mut Option<T>, value: T, meta: &ParseNestedMeta<'_>) -> syn::Result<()> {
+    if slot.is_some() {
+        let name = meta
+            .path
+            .get_ident()
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        return Err(meta.error(format!("duplicate argument `{name}`: give it once")));
+    }
+    *slot = Some(value);
+    Ok(())
+}
+
+impl Args {
+    fn one(&mut self, meta: &ParseNestedMeta<'_>) -> syn::Result<()> {
+        let Some(name) = meta.path.get_ident().map(ToString::to_string) else {
+            return Err(meta.error(format!("unknown argument; expected one of {KNOWN}")));
+        };
+        match name.as_str() {
+            "key" => {
+                let template = key::parse(string(meta, "key")?)?;
+                set(&mut self.key, template, meta)
+            }
+            "ttl" => set(&mut self.ttl, duration_arg(meta, "ttl")?, meta),
+            "retry_delay" => set(
+                &mut self.retry_delay,
+                duration_arg(meta, "retry_delay")?,
+                meta,
+            ),
+            "wait" => set(&mut self.wait, duration_arg(meta, "wait")?, meta),
+            "retries" => {
+                let lit: LitInt = value(meta, "retries", "a whole number, as in `retries = 3`")?;
+                let retries = lit.base10_parse::<u32>().map_err(|_| {
+                    syn::Error::new(
+                        lit.span(),
+                        "`retries` must be a whole number from 0 to 4294967295",
+                    )
+                })?;
+                set(&mut self.retries, (lit, retries), meta)
+            }
+            "fencing" => {
+                flag(meta, "fencing")?;
+                let ident = meta.path.get_ident().cloned().expect("checked above");
+                set(&mut self.fencing, ident, meta)
+            }
+            "on_busy" => {
+                let lit = string(meta, "on_busy")?;
+                let on_busy = match lit.value().as_str() {
+                    "error" => OnBusy::Error,
+                    "skip" => OnBusy::Skip,
+                    other => {
+                        return Err(syn::Error::new(
+                            lit.span(),
+                            format!(
+                                "unknown `on_busy` value {other:?}: expected `\"error\"` or `\"skip\"`"
+                            ),
+                        ));
+                    }
+                };
+                set(&mut self.on_busy, (lit, on_busy), meta)
+            }
+            "guard" => {
+                let ident: Ident = value(
+                    meta,
+                    "guard",
+                    "a name to bind the guard to, as in `guard = lock`",
+                )?;
+                set(&mut self.guard, ident, meta)
+            }
+            "manager" => {
+                let expr: Expr = meta.value()?.parse()?;
+                set(&mut self.manager, expr, meta)
+            }
+            "watchdog" | "reentrant" | "max_hold" | "mode" | "permits" | "on_lost" | "min_hold" => {
+                // Consume a value if one was given, so that parsing goes on after the error.
+                if meta.input.peek(syn::Token![=]) {
+                    let _: Expr = meta.value()?.parse()?;
+                }
+                Err(meta.error(format!(
+                    "`{name}` is not supported by this version of distlock; supported arguments: {KNOWN}"
+                )))
+            }
+            _ => {
+                if meta.input.peek(syn::Token![=]) {
+                    let _: Expr = meta.value()?.parse()?;
+                }
+                Err(meta.error(format!(
+                    "unknown argument `{name}`; expected one of {KNOWN}"
+                )))
+            }
+        }
+    }
+
+    /// Options that cannot all be meant: reported at the later one.
+    fn check_conflicts(&self, errors: &mut Errors) {
+        if let Some((_, 0)) = &self.retries {
+            if let Some(wait) = &self.wait {
+                errors.push(syn::Error::new(
+                    wait.lit.span(),
+                    "`wait` has no effect with `retries = 0`: a single attempt never waits; \
+                     remove `wait` or allow retries",
+                ));
+            } else if let Some(delay) = &self.retry_delay {
+                errors.push(syn::Error::new(
+                    delay.lit.span(),
+                    "`retry_delay` has no effect with `retries = 0`: remove it or allow retries",
+                ));
+            }
+        }
+    }
+}
+
+fn value<T: syn::parse::Parse>(
+    meta: &ParseNestedMeta<'_>,
+    name: &str,
+    expected: &str,
+) -> syn::Result<T> {
+    if !meta.input.peek(syn::Token![=]) {
+        return Err(meta.error(format!("`{name}` needs a value: {expected}")));
+    }
+    let stream = meta.value()?;
+    let expr: Expr = stream.parse()?;
+    syn::parse2::<T>(quote::ToTokens::to_token_stream(&expr)).map_err(|_| {
+        syn::Error::new(
+            expr.span(),
+            format!("invalid `{name}`: expected {expected}"),
+        )
+    })
+}
+
+fn string(meta: &ParseNestedMeta<'_>, name: &str) -> syn::Result<LitStr> {
+    value(meta, name, "a string literal")
+}
+
+fn duration_arg(meta: &ParseNestedMeta<'_>, name: &str) -> syn::Result<DurationArg> {
+    if !meta.input.peek(syn::Token![=]) {
+        return Err(meta.error(format!("`{name}` needs a value, as in `{name} = \"10s\"`")));
+    }
+    let expr: Expr = meta.value()?.parse()?;
+    match &expr {
+        Expr::Lit(syn::ExprLit {
+            lit: syn::Lit::Str(lit),
+            ..
+        }) => duration::parse(name, lit.clone()),
+        Expr::Lit(syn::ExprLit {
+            lit: syn::Lit::Int(int),
+            ..
+        }) => Err(syn::Error::new(
+            int.span(),
+            format!(
+                "`{name}` is a string with a unit: write `{name} = \"{}s\"` or `\"{}ms\"`",
+                int, int
+            ),
+        )),
+        other => Err(syn::Error::new(
+            other.span(),
+            format!("`{name}` must be a string literal such as `\"10s\"` or `\"250ms\"`"),
+        )),
+    }
+}
+
+fn flag(meta: &ParseNestedMeta<'_>, name: &str) -> syn::Result<()> {
+    if meta.input.peek(syn::Token![=]) {
+        let _: Expr = meta.value()?.parse()?;
+        return Err(meta.error(format!(
+            "`{name}` is a flag: write `{name}` without a value"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,164 @@
+//! Code generation: the function keeps its signature; its body runs between acquire and
+//! release, rewritten in place as `async move { … }.await` so that `return` and `?` stay
+//! inside it and cannot skip the release.
+
+use proc_macro2::{Literal, Span, TokenStream};
+use quote::{quote, quote_spanned};
+use syn::spanned::Spanned;
+use syn::visit_mut::VisitMut;
+use syn::{AttrStyle, Ident, Type};
+
+use crate::args::{self, Args, OnBusy};
+use crate::check::{self, LockFn};
+use crate::fallback;
+
+/// The whole attribute: parse, validate, expand, or fall back to the item plus errors.
+pub(crate) fn distributed_lock(args: TokenStream, item: TokenStream) -> TokenStream {
+    let mut errors = args::Errors::default();
+    let args = args::parse(args, Span::call_site())
+        .map_err(|e| errors.push(e))
+        .ok();
+    let function = check::function(item.clone())
+        .map_err(|e| errors.push(e))
+        .ok();
+    if let (Some(args), Some(function)) = (&args, &function)
+        && let Some(key) = &args.key
+        && let Err(error) = key.check_roots(&function.param_names(), function.has_self())
+    {
+        errors.push(error);
+    }
+    match (errors.finish(), args, function) {
+        (Ok(()), Some(args), Some(function)) => expand(args, function),
+        (Err(error), ..) => fallback::item_with_errors(item, error),
+        (Ok(()), ..) => unreachable!("a missing part always comes with an error"),
+    }
+}
+
+fn expand(args: Args, function: LockFn) -> TokenStream {
+    let mixed = Span::mixed_site();
+    let guard = Ident::new("__distlock_guard", mixed);
+    let output = Ident::new("__distlock_output", mixed);
+    let manager = Ident::new("__distlock_manager", mixed);
+    let error = Ident::new("__distlock_error", mixed);
+    let fake = Ident::new("__distlock_return", mixed);
+
+    let ret = function.return_type();
+    let ret_span = ret.span();
+    let ret_erased = erase_impl_trait(ret.clone());
+    let fail = quote_spanned! {ret_span=>
+        <#ret_erased as ::distlock::__private::LockReturn>::from_lock_error(#error)
+    };
+
+    let get_manager = match &args.manager {
+        Some(expr) => quote_spanned!(expr.span()=> ::distlock::__private::manager(&(#expr))),
+        None => quote! {
+            match ::distlock::__private::installed() {
+                ::core::result::Result::Ok(#manager) => #manager,
+                ::core::result::Result::Err(#error) => return #fail,
+            }
+        },
+    };
+
+    let template = args
+        .key
+        .as_ref()
+        .expect("`key` is required by `args::parse`");
+    let key = template.expr();
+    let template_text = template.lit.value();
+    let mut options = TokenStream::new();
+    let millis = |lit: &syn::LitStr, ms: u64| {
+        let ms = Literal::u64_unsuffixed(ms);
+        quote_spanned!(lit.span()=> ::core::time::Duration::from_millis(#ms))
+    };
+    if let Some(ttl) = &args.ttl {
+        let d = millis(&ttl.lit, ttl.millis);
+        options.extend(quote!(.ttl(#d)));
+    }
+    if let Some((lit, retries)) = &args.retries {
+        let n = Literal::u32_unsuffixed(*retries);
+        options.extend(quote_spanned!(lit.span()=> .retries(#n)));
+    }
+    if let Some(delay) = &args.retry_delay {
+        let d = millis(&delay.lit, delay.millis);
+        options.extend(quote!(.retry_delay(#d)));
+    }
+    if let Some(wait) = &args.wait {
+        let d = millis(&wait.lit, wait.millis);
+        options.extend(quote!(.wait(#d)));
+    }
+    if let Some(flag) = &args.fencing {
+        options.extend(quote_spanned!(flag.span()=> .fencing(true)));
+    }
+
+    let on_error = match &args.on_busy {
+        Some((_, OnBusy::Skip)) => quote_spanned! {ret_span=>
+            ::core::result::Result::Err(#error) if #error.is_busy() => {
+                return <#ret_erased as ::distlock::__private::SkipReturn>::skipped();
+            }
+            ::core::result::Result::Err(#error) => return #fail,
+        },
+        Some((_, OnBusy::Error)) | None => quote! {
+            ::core::result::Result::Err(#error) => return #fail,
+        },
+    };
+
+    let bind_guard = args
+        .guard
+        .as_ref()
+        .map(|name| quote!(let #name: &::distlock::LockGuard = &#guard;));
+
+    let LockFn {
+        attrs,
+        vis,
+        sig,
+        block,
+    } = function;
+    let (inner, outer): (Vec<_>, Vec<_>) = attrs
+        .into_iter()
+        .partition(|attr| matches!(attr.style, AttrStyle::Inner(_)));
+    let stmts = &block.stmts;
+
+    quote! {
+        #(#outer)*
+        #vis #sig {
+            #(#inner)*
+            let #manager = #get_manager;
+            let #guard = match #manager.lock(#key).template(#template_text) #options .acquire().await {
+                ::core::result::Result::Ok(#guard) => #guard,
+                #on_error
+            };
+            #bind_guard
+            let #output = async move {
+                // Gives the block the function's return type, so `?` and `return` inside
+                // it convert exactly as they would in the original body.
+                #[allow(unreachable_code, clippy::diverging_sub_expression, clippy::empty_loop)]
+                if false {
+                    let #fake: #ret_erased = loop {};
+                    return #fake;
+                }
+                #(#stmts)*
+            }
+            .await;
+            ::distlock::__private::release(#guard).await;
+            #output
+        }
+    }
+}
+
+/// `impl Trait` cannot be written in a `let`: it becomes `_` there.
+fn erase_impl_trait(mut ty: Type) -> Type {
+    struct Erase;
+    impl VisitMut for Erase {
+        fn visit_type_mut(&mut self, ty: &mut Type) {
+            if let Type::ImplTrait(it) = ty {
+                *ty = Type::Infer(syn::TypeInfer {
+                    underscore_token: syn::Token![_](it.span()),
+                });
+            } else {
+                syn::visit_mut::visit_type_mut(self, ty);
+            }
+        }
+    }
+    Erase.visit_type_mut(&mut ty);
+    ty
+}

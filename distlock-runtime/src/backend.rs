@@ -1,0 +1,146 @@
+//! Where locks live: the Redis deployment behind a manager.
+//!
+//! Every method here runs on the manager's driver runtime (see `driver`) and is bounded by the
+//! manager's response timeout, including the time spent waiting for a reconnect.
+
+use std::io;
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Client, RedisError, RedisResult};
+
+use crate::scripts;
+
+/// The answer to one acquire attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Attempt {
+    /// The caller holds the lock; `fence` is its fencing token (0 without fencing).
+    Held { fence: u64 },
+    /// Another owner holds it for about this much longer (`None`: no expiry was reported).
+    Busy { holder_ttl: Option<Duration> },
+}
+
+/// How a backend connects.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConnectOptions {
+    pub(crate) connect_timeout: Duration,
+    pub(crate) response_timeout: Duration,
+}
+
+/// A single Redis server (or anything that speaks to one endpoint).
+#[derive(Clone)]
+pub(crate) struct Backend {
+    conn: ConnectionManager,
+    response_timeout: Duration,
+}
+
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Backend")
+            .field("response_timeout", &self.response_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Backend {
+    /// Connects to `url` and loads every script.
+    pub(crate) async fn connect(url: &str, options: ConnectOptions) -> RedisResult<Self> {
+        let client = Client::open(url)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(options.connect_timeout))
+            .set_response_timeout(Some(options.response_timeout))
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(20))
+            .set_max_delay(Duration::from_millis(200));
+        let connect = ConnectionManager::new_with_config(client, config);
+        let conn = bounded(options.connect_timeout * 3, connect).await?;
+        let backend = Self {
+            conn,
+            response_timeout: options.response_timeout,
+        };
+        for script in scripts::all() {
+            let mut conn = backend.conn.clone();
+            backend
+                .bounded(script.prepare_invoke().load_async(&mut conn))
+                .await?;
+        }
+        Ok(backend)
+    }
+
+    /// One acquire attempt for `token` on `lock` (fencing counter at `fence`).
+    pub(crate) async fn acquire(
+        &self,
+        lock: &str,
+        fence: &str,
+        token: &str,
+        lease: Duration,
+        fencing: bool,
+    ) -> RedisResult<Attempt> {
+        let mut conn = self.conn.clone();
+        let mut call = scripts::ACQUIRE.key(lock);
+        call.key(fence)
+            .arg(token)
+            .arg(millis(lease))
+            .arg(if fencing { "1" } else { "0" });
+        let (held, value): (i64, i64) = self.bounded(call.invoke_async(&mut conn)).await?;
+        Ok(if held == 1 {
+            Attempt::Held {
+                fence: u64::try_from(value).unwrap_or(0),
+            }
+        } else {
+            Attempt::Busy {
+                holder_ttl: u64::try_from(value).ok().map(Duration::from_millis),
+            }
+        })
+    }
+
+    /// Deletes `lock` if `token` owns it; `false` when it did not.
+    pub(crate) async fn release(&self, lock: &str, token: &str) -> RedisResult<bool> {
+        let mut conn = self.conn.clone();
+        let mut call = scripts::RELEASE.key(lock);
+        call.arg(token);
+        let released: i64 = self.bounded(call.invoke_async(&mut conn)).await?;
+        Ok(released == 1)
+    }
+
+    /// Sets the lease of `lock` if `token` owns it; `false` when it did not.
+    pub(crate) async fn extend(
+        &self,
+        lock: &str,
+        token: &str,
+        lease: Duration,
+    ) -> RedisResult<bool> {
+        let mut conn = self.conn.clone();
+        let mut call = scripts::EXTEND.key(lock);
+        call.arg(token).arg(millis(lease));
+        let extended: i64 = self.bounded(call.invoke_async(&mut conn)).await?;
+        Ok(extended == 1)
+    }
+
+    /// Whether `token` still owns `lock`.
+    pub(crate) async fn holds(&self, lock: &str, token: &str) -> RedisResult<bool> {
+        let mut conn = self.conn.clone();
+        let cmd = redis::cmd("HEXISTS").arg(lock).arg(token).to_owned();
+        self.bounded(cmd.query_async(&mut conn)).await
+    }
+
+    async fn bounded<T>(&self, op: impl Future<Output = RedisResult<T>>) -> RedisResult<T> {
+        bounded(self.response_timeout, op).await
+    }
+}
+
+/// Bounds `op`, reconnect waits included, by `limit`.
+async fn bounded<T>(limit: Duration, op: impl Future<Output = RedisResult<T>>) -> RedisResult<T> {
+    match tokio::time::timeout(limit, op).await {
+        Ok(result) => result,
+        Err(_) => Err(RedisError::from(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("no answer from redis within {limit:?}"),
+        ))),
+    }
+}
+
+/// A lease in whole milliseconds, at least 1.
+pub(crate) fn millis(lease: Duration) -> u64 {
+    u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
+}

@@ -1,0 +1,123 @@
+//! The one error type of the library.
+
+use std::time::Duration;
+
+/// What went wrong while taking, holding or giving back a lock.
+///
+/// Match on the variant to tell the cases apart: [`Busy`](Self::Busy) means another owner
+/// holds the key (try later), [`Lost`](Self::Lost) means this owner no longer holds what it
+/// thought it held, [`Redis`](Self::Redis) is a connection or server failure, and the rest are
+/// mistakes in input or setup that no retry can fix.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LockError {
+    /// The lock is held by another owner and was not acquired within the request's bounds.
+    #[error("lock `{key}` is busy: not acquired after {attempts} attempt(s) in {waited:?}")]
+    #[non_exhaustive]
+    Busy {
+        /// The key as the caller named it (without the manager's prefix).
+        key: String,
+        /// How many times acquisition was tried.
+        attempts: u32,
+        /// How long the request spent, from its first attempt to giving up.
+        waited: Duration,
+    },
+
+    /// The lease is no longer held by this owner: it expired, or the key was deleted or taken
+    /// by another owner. Reported by release, extend and the lease-lost signal.
+    #[error("lock `{key}` is no longer held: its lease expired or another owner took it")]
+    #[non_exhaustive]
+    Lost {
+        /// The key as the caller named it.
+        key: String,
+    },
+
+    /// The current task already holds this key through a non-reentrant lock; waiting for it
+    /// would wait for itself forever.
+    #[error(
+        "lock `{key}` is already held by this task; waiting for it would deadlock \
+         (use `reentrant` to allow nested acquisition)"
+    )]
+    #[non_exhaustive]
+    WouldDeadlock {
+        /// The key as the caller named it.
+        key: String,
+    },
+
+    /// Redis could not be reached or answered with an error.
+    #[error("redis error on lock `{key}`: {source}")]
+    #[non_exhaustive]
+    Redis {
+        /// The key the operation was for (empty for manager-wide operations).
+        key: String,
+        /// The error reported by the Redis client.
+        #[source]
+        source: redis::RedisError,
+    },
+
+    /// An argument was rejected before anything was sent to Redis.
+    #[error("invalid {what}: {reason}")]
+    #[non_exhaustive]
+    InvalidInput {
+        /// The argument that was rejected, such as `key` or `ttl`.
+        what: &'static str,
+        /// Why it was rejected, and what would be accepted.
+        reason: String,
+    },
+
+    /// The manager was configured in a way that cannot work.
+    #[error("invalid lock manager configuration: {0}")]
+    Config(String),
+
+    /// The macro needed the installed manager and none was installed.
+    #[error(
+        "no LockManager is installed: call `LockManager::install()` once at startup, \
+         or pass `manager = …` to `#[distributed_lock]`"
+    )]
+    NotInstalled,
+
+    /// `install()` was called when a manager was already installed.
+    #[error("a LockManager is already installed; install one manager per process")]
+    AlreadyInstalled,
+
+    /// The manager's background driver has stopped, so nothing can reach Redis through it.
+    #[error("the lock manager's background driver has stopped")]
+    DriverStopped,
+}
+
+impl LockError {
+    /// Whether this error means the lock is held by someone else (as opposed to a failure).
+    pub fn is_busy(&self) -> bool {
+        matches!(self, Self::Busy { .. })
+    }
+
+    /// Whether this error means this owner lost a lease it held.
+    pub fn is_lost(&self) -> bool {
+        matches!(self, Self::Lost { .. })
+    }
+
+    /// The key the error is about, when it is about one.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            Self::Busy { key, .. }
+            | Self::Lost { key }
+            | Self::WouldDeadlock { key }
+            | Self::Redis { key, .. } => Some(key),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn redis(key: &str, source: redis::RedisError) -> Self {
+        Self::Redis {
+            key: key.to_owned(),
+            source,
+        }
+    }
+
+    pub(crate) fn invalid(what: &'static str, reason: impl Into<String>) -> Self {
+        Self::InvalidInput {
+            what,
+            reason: reason.into(),
+        }
+    }
+}

@@ -1,0 +1,324 @@
+//! `LockManager`: the configured connection to Redis that every lock goes through.
+
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use crate::LockError;
+use crate::backend::{Backend, ConnectOptions};
+use crate::driver::Driver;
+use crate::key;
+use crate::lock::LockRequest;
+
+static INSTALLED: OnceLock<LockManager> = OnceLock::new();
+
+/// The entry point: a connection to Redis plus the defaults every lock request starts from.
+///
+/// Build one at startup with [`LockManager::builder`], then either pass it around (it is cheap
+/// to clone: an `Arc` inside) or [`install`](Self::install) it as the default that
+/// `#[distributed_lock]` uses.
+///
+/// A manager owns one background thread that drives its connection and finishes releases
+/// that were handed off by dropped guards. It can be used from any tokio runtime, not only the
+/// one that built it; the thread stops when the last clone (and the last guard) is dropped.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), distlock_runtime::LockError> {
+/// use std::time::Duration;
+/// use distlock_runtime::LockManager;
+///
+/// let locks = LockManager::builder()
+///     .redis_url("redis://127.0.0.1:6379")
+///     .key_prefix("myapp:lock:")
+///     .default_ttl(Duration::from_secs(30))
+///     .build()
+///     .await?;
+/// locks.clone().install()?;
+///
+/// let guard = locks.lock("order:42").ttl(Duration::from_secs(10)).retries(3).acquire().await?;
+/// // ... the critical section ...
+/// guard.release().await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct LockManager {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) backend: Backend,
+    pub(crate) driver: Driver,
+    pub(crate) prefix: String,
+    pub(crate) defaults: Defaults,
+    target: String,
+}
+
+/// What a request uses for each option it does not set.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Defaults {
+    pub(crate) ttl: Duration,
+    pub(crate) retries: u32,
+    pub(crate) retry_delay: Duration,
+    pub(crate) wait: Option<Duration>,
+}
+
+impl LockManager {
+    /// Starts configuring a manager.
+    pub fn builder() -> LockManagerBuilder {
+        LockManagerBuilder::default()
+    }
+
+    /// Starts a request for the exclusive lock named `key`.
+    ///
+    /// The key is checked when the request is sent: it must not be empty and may be at most
+    /// [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes.
+    pub fn lock(&self, key: impl Into<String>) -> LockRequest<'_> {
+        LockRequest::new(self, key.into())
+    }
+
+    /// Makes this manager the process-wide default used by `#[distributed_lock]` functions
+    /// that name no `manager`. There is one such default per process; a second call fails
+    /// with [`LockError::AlreadyInstalled`].
+    pub fn install(self) -> Result<(), LockError> {
+        INSTALLED.set(self).map_err(|_| LockError::AlreadyInstalled)
+    }
+
+    /// The installed manager, if [`install`](Self::install) was called.
+    pub fn installed() -> Option<&'static LockManager> {
+        INSTALLED.get()
+    }
+
+    /// The key prefix every lock of this manager is written under.
+    pub fn key_prefix(&self) -> &str {
+        &self.inner.prefix
+    }
+
+    /// The Redis key that holds the lock named `key`: `prefix{key}`.
+    pub fn redis_key(&self, key: &str) -> String {
+        format!("{}{{{key}}}", self.inner.prefix)
+    }
+
+    pub(crate) fn defaults(&self) -> &Defaults {
+        &self.inner.defaults
+    }
+}
+
+impl fmt::Debug for LockManager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockManager")
+            .field("target", &self.inner.target)
+            .field("key_prefix", &self.inner.prefix)
+            .field("defaults", &self.inner.defaults)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`LockManager`]; [`build`](Self::build) checks everything and connects.
+///
+/// Nothing here panics: a bad value is reported by `build` as [`LockError::Config`].
+#[derive(Clone)]
+#[must_use = "a builder does nothing until `build().await` is called"]
+pub struct LockManagerBuilder {
+    url: Option<String>,
+    prefix: String,
+    defaults: Defaults,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+}
+
+impl Default for LockManagerBuilder {
+    fn default() -> Self {
+        Self {
+            url: None,
+            prefix: "distlock:".to_owned(),
+            defaults: Defaults {
+                ttl: Duration::from_secs(30),
+                retries: 0,
+                retry_delay: Duration::from_millis(50),
+                wait: None,
+            },
+            connect_timeout: Duration::from_secs(1),
+            response_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+impl fmt::Debug for LockManagerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockManagerBuilder")
+            .field("url", &self.url.as_deref().map(redact_url))
+            .field("key_prefix", &self.prefix)
+            .field("defaults", &self.defaults)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("response_timeout", &self.response_timeout)
+            .finish()
+    }
+}
+
+impl LockManagerBuilder {
+    /// A single Redis server, as a `redis://` or `rediss://` URL (`redis://:password@host:6379/0`).
+    /// Credentials in the URL never appear in `Debug` output, errors or logs.
+    pub fn redis_url(mut self, url: impl Into<String>) -> Self {
+        self.url = Some(url.into());
+        self
+    }
+
+    /// The namespace for every key the manager writes (default `"distlock:"`). It must not
+    /// contain braces.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The lease of a lock whose request sets no `ttl` (default 30 s).
+    pub fn default_ttl(mut self, ttl: Duration) -> Self {
+        self.defaults.ttl = ttl;
+        self
+    }
+
+    /// Extra attempts after the first for requests that set no `retries` (default 0).
+    pub fn default_retries(mut self, retries: u32) -> Self {
+        self.defaults.retries = retries;
+        self
+    }
+
+    /// The base of the exponential backoff between attempts (default 50 ms).
+    pub fn default_retry_delay(mut self, delay: Duration) -> Self {
+        self.defaults.retry_delay = delay;
+        self
+    }
+
+    /// The total time a request that sets no `wait` may spend waiting (default: unbounded by
+    /// time, bounded by the number of retries).
+    pub fn default_wait(mut self, wait: Duration) -> Self {
+        self.defaults.wait = Some(wait);
+        self
+    }
+
+    /// How long connecting to Redis may take (default 1 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How long one round trip to Redis may take before it fails, including any wait for a
+    /// reconnect (default 1 s).
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// Checks the configuration, connects, and loads the scripts.
+    pub async fn build(self) -> Result<LockManager, LockError> {
+        let url = self.url.clone().ok_or_else(|| {
+            LockError::Config("no Redis endpoint: call `redis_url(\"redis://host:6379\")`".into())
+        })?;
+        self.check()?;
+        let target = redact_url(&url);
+        let driver = Driver::start()?;
+        let options = ConnectOptions {
+            connect_timeout: self.connect_timeout,
+            response_timeout: self.response_timeout,
+        };
+        let backend = driver
+            .run(async move { Backend::connect(&url, options).await })
+            .await?
+            .map_err(|e| LockError::Config(format!("cannot connect to {target}: {e}")))?;
+        tracing::debug!(target = %target, prefix = %self.prefix, "lock manager connected");
+        Ok(LockManager {
+            inner: Arc::new(Inner {
+                backend,
+                driver,
+                prefix: self.prefix,
+                defaults: self.defaults,
+                target,
+            }),
+        })
+    }
+
+    fn check(&self) -> Result<(), LockError> {
+        key::validate_prefix(&self.prefix)?;
+        let positive = [
+            ("default_ttl", self.defaults.ttl),
+            ("connect_timeout", self.connect_timeout),
+            ("response_timeout", self.response_timeout),
+        ];
+        for (name, value) in positive {
+            if value.is_zero() {
+                return Err(LockError::Config(format!(
+                    "`{name}` must be greater than zero"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `url` with any password (and user name) replaced by `***`, for logs and errors.
+pub(crate) fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return "<redis url>".to_owned();
+    };
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let redacted = match rest[..authority_end].rfind('@') {
+        Some(at) => format!("{}***@{}", &url[..scheme_end], &rest[at + 1..authority_end]),
+        None => format!("{}{}", &url[..scheme_end], &rest[..authority_end]),
+    };
+    // The path holds only the database number; a query may carry a password: drop both
+    // rather than guess which parameters are safe.
+    match rest[authority_end..].split(['?', '#']).next() {
+        Some(path) if !path.is_empty() => format!("{redacted}{path}"),
+        _ => redacted,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_lose_their_credentials() {
+        assert_eq!(
+            redact_url("redis://127.0.0.1:6379"),
+            "redis://127.0.0.1:6379"
+        );
+        assert_eq!(
+            redact_url("redis://:hunter2@db:6379/0"),
+            "redis://***@db:6379/0"
+        );
+        assert_eq!(redact_url("rediss://user:p%40ss@db"), "rediss://***@db");
+        assert_eq!(
+            redact_url("redis://db:6379/1?password=hunter2"),
+            "redis://db:6379/1"
+        );
+        assert_eq!(redact_url("not a url"), "<redis url>");
+    }
+
+    #[tokio::test]
+    async fn bad_configuration_is_an_error_not_a_panic() {
+        let no_url = LockManager::builder().build().await;
+        assert!(matches!(no_url, Err(LockError::Config(_))));
+        let bad_url = LockManager::builder().redis_url("http://x").build().await;
+        assert!(matches!(bad_url, Err(LockError::Config(_))));
+        let zero_ttl = LockManager::builder()
+            .redis_url("redis://127.0.0.1:1")
+            .default_ttl(Duration::ZERO)
+            .build()
+            .await;
+        assert!(matches!(zero_ttl, Err(LockError::Config(m)) if m.contains("default_ttl")));
+        let braces = LockManager::builder()
+            .redis_url("redis://127.0.0.1:1")
+            .key_prefix("a{")
+            .build()
+            .await;
+        assert!(matches!(braces, Err(LockError::Config(_))));
+    }
+
+    #[test]
+    fn debug_never_shows_the_password() {
+        let builder = LockManager::builder().redis_url("redis://:hunter2@db:6379");
+        assert!(!format!("{builder:?}").contains("hunter2"));
+    }
+}

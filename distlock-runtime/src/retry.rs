@@ -1,0 +1,57 @@
+//! When to try again: exponential backoff with full jitter, bounded by the holder's lease.
+
+use std::time::Duration;
+
+/// Backoff for one request: attempt `n` waits a random time in `[0, min(cap, base·2ⁿ⁻¹)]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Backoff {
+    base: Duration,
+    cap: Duration,
+}
+
+impl Backoff {
+    /// The delays start from `base` and grow to at most 32 × `base`.
+    pub(crate) fn new(base: Duration) -> Self {
+        Self {
+            base,
+            cap: base.saturating_mul(32),
+        }
+    }
+
+    /// The delay after failed attempt number `attempt` (1-based). When the holder's remaining
+    /// lease is known, the delay does not run past it, so an expiry is noticed promptly.
+    pub(crate) fn delay(&self, attempt: u32, holder_ttl: Option<Duration>) -> Duration {
+        let shift = attempt.saturating_sub(1).min(20);
+        let ceiling = self.base.saturating_mul(1 << shift).min(self.cap);
+        let nanos = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
+        let jittered = Duration::from_nanos(fastrand::u64(0..=nanos));
+        match holder_ttl {
+            Some(ttl) => jittered.min(ttl + Duration::from_millis(1)),
+            None => jittered,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delays_stay_within_the_growing_ceiling() {
+        let backoff = Backoff::new(Duration::from_millis(10));
+        for attempt in 1..40 {
+            let ceiling = Duration::from_millis(10 * (1 << (attempt - 1).min(5)));
+            for _ in 0..50 {
+                assert!(backoff.delay(attempt, None) <= ceiling);
+            }
+        }
+    }
+
+    #[test]
+    fn delays_do_not_outlast_the_holder() {
+        let backoff = Backoff::new(Duration::from_secs(1));
+        for _ in 0..100 {
+            assert!(backoff.delay(6, Some(Duration::from_millis(3))) <= Duration::from_millis(4));
+        }
+    }
+}

@@ -1,0 +1,274 @@
+//! Real `redis-server` processes for tests, with fault injection (feature `test-util`).
+//!
+//! [`RedisServer::start`] runs `redis-server` on a free loopback port in a fresh temporary
+//! directory, with persistence off, and stops it when dropped. The binary is looked up in
+//! `DISTLOCK_REDIS_SERVER`, then on `PATH`.
+//!
+//! ```no_run
+//! use distlock_runtime::testing::RedisServer;
+//!
+//! let server = RedisServer::start()?;
+//! let url = server.url(); // redis://127.0.0.1:<port>
+//! server.pause()?;        // SIGSTOP: the server stops answering
+//! server.resume()?;       // SIGCONT
+//! # Ok::<(), std::io::Error>(())
+//! ```
+
+use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+/// The environment variable that names the `redis-server` binary to use.
+pub const SERVER_ENV: &str = "DISTLOCK_REDIS_SERVER";
+
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A `redis-server` child process on a loopback port, stopped (SIGKILL) on drop.
+#[derive(Debug)]
+pub struct RedisServer {
+    port: u16,
+    dir: PathBuf,
+    binary: PathBuf,
+    child: Mutex<Option<Child>>,
+}
+
+impl RedisServer {
+    /// Starts a server on a free loopback port and waits until it answers `PING`.
+    pub fn start() -> io::Result<Self> {
+        let binary = find_binary()?;
+        let mut last_error = None;
+        // The port is free when chosen but another process may take it before redis-server
+        // binds it: try a few ports.
+        for _ in 0..5 {
+            let port = free_port()?;
+            let server = Self {
+                port,
+                dir: scratch_dir(port)?,
+                binary: binary.clone(),
+                child: Mutex::new(None),
+            };
+            match server.launch() {
+                Ok(()) => return Ok(server),
+                Err(error) => last_error = Some(error),
+            }
+        }
+        Err(last_error.unwrap_or_else(|| io::Error::other("redis-server did not start")))
+    }
+
+    /// A server shared by every caller that holds the returned `Arc`, started on first use
+    /// and stopped when the last holder drops it. Use it for tests that do not fault the server.
+    pub fn shared() -> io::Result<Arc<Self>> {
+        static SHARED: Mutex<Weak<RedisServer>> = Mutex::new(Weak::new());
+        let mut slot = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(server) = slot.upgrade() {
+            return Ok(server);
+        }
+        let server = Arc::new(Self::start()?);
+        *slot = Arc::downgrade(&server);
+        Ok(server)
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The loopback port the server listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Kills the server with SIGKILL (no shutdown, no save) and waits for it to exit.
+    pub fn kill(&self) -> io::Result<()> {
+        if let Some(mut child) = self.lock_child().take() {
+            child.kill()?;
+            child.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Freezes the server with SIGSTOP: connections stay open but nothing is answered.
+    pub fn pause(&self) -> io::Result<()> {
+        self.signal("STOP")
+    }
+
+    /// Thaws a server frozen by [`pause`](Self::pause).
+    pub fn resume(&self) -> io::Result<()> {
+        self.signal("CONT")
+    }
+
+    /// Kills the server if it runs, then starts a new, empty one on the same port.
+    pub fn restart(&self) -> io::Result<()> {
+        self.kill()?;
+        self.launch()
+    }
+
+    /// Whether the server process is running (it may be paused).
+    pub fn is_running(&self) -> bool {
+        self.lock_child().is_some()
+    }
+
+    /// Sends one command and returns the raw RESP reply: a small synchronous client for
+    /// checks that must not go through the code under test.
+    pub fn command(&self, args: &[&str]) -> io::Result<String> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let mut request = format!("*{}\r\n", args.len());
+        for arg in args {
+            request.push_str(&format!("${}\r\n{arg}\r\n", arg.len()));
+        }
+        stream.write_all(request.as_bytes())?;
+        read_reply(&mut stream)
+    }
+
+    fn launch(&self) -> io::Result<()> {
+        let port = self.port.to_string();
+        let mut child = Command::new(&self.binary)
+            .args([
+                "--port",
+                &port,
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--protected-mode", "no", "--loglevel", "warning"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let started = Instant::now();
+        loop {
+            if self.ping() {
+                *self.lock_child() = Some(child);
+                return Ok(());
+            }
+            if let Some(status) = child.try_wait()? {
+                return Err(io::Error::other(format!(
+                    "redis-server exited with {status} on port {}",
+                    self.port
+                )));
+            }
+            if started.elapsed() > START_TIMEOUT {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "redis-server on port {} did not answer within {START_TIMEOUT:?}",
+                        self.port
+                    ),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn ping(&self) -> bool {
+        matches!(self.command(&["PING"]), Ok(reply) if reply == "+PONG")
+    }
+
+    fn signal(&self, signal: &str) -> io::Result<()> {
+        let child = self.lock_child();
+        let child = child
+            .as_ref()
+            .ok_or_else(|| io::Error::other("redis-server is not running"))?;
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(child.id().to_string())
+            .status()?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(io::Error::other(format!("kill -{signal} failed: {status}")))
+        }
+    }
+
+    fn lock_child(&self) -> std::sync::MutexGuard<'_, Option<Child>> {
+        self.child.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.resume();
+        let _ = self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn find_binary() -> io::Result<PathBuf> {
+    if let Some(path) = std::env::var_os(SERVER_ENV) {
+        return Ok(PathBuf::from(path));
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join("redis-server"))
+        .find(|candidate| candidate.is_file())
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                format!(
+                    "redis-server was not found on PATH. Install it (Debian/Ubuntu: \
+                     `apt-get install redis-server`; macOS: `brew install redis`) or set \
+                     {SERVER_ENV} to its path"
+                ),
+            )
+        })
+}
+
+fn free_port() -> io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn scratch_dir(port: u16) -> io::Result<PathBuf> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let dir =
+        std::env::temp_dir().join(format!("distlock-redis-{}-{port}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+/// Reads one RESP reply and renders it as text: `+OK`, `:1`, `$<bulk>`, `*<n>` then items.
+fn read_reply(stream: &mut TcpStream) -> io::Result<String> {
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    // Simple replies are enough for the harness: read one line, then a bulk body if any.
+    while !buf.ends_with(b"\r\n") {
+        if stream.read(&mut byte)? == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "redis closed the connection",
+            ));
+        }
+        buf.push(byte[0]);
+    }
+    let line = String::from_utf8_lossy(&buf[..buf.len() - 2]).into_owned();
+    if let Some(len) = line.strip_prefix('$') {
+        let Ok(len) = len.parse::<usize>() else {
+            return Ok(line); // $-1: nil
+        };
+        let mut body = vec![0; len + 2];
+        stream.read_exact(&mut body)?;
+        body.truncate(len);
+        return Ok(String::from_utf8_lossy(&body).into_owned());
+    }
+    if let Some(count) = line.strip_prefix('*') {
+        let count = count.parse::<usize>().unwrap_or(0);
+        let mut items = Vec::with_capacity(count);
+        for _ in 0..count {
+            items.push(read_reply(stream)?);
+        }
+        return Ok(items.join("\n"));
+    }
+    Ok(line)
+}
