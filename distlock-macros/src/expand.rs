@@ -50,12 +50,16 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
     };
 
     let get_manager = match &args.manager {
-        Some(expr) => quote_spanned!(expr.span()=> ::distlock::__private::manager(&(#expr))),
+        // Taking `&(expr)` lets `manager = self.locks` name a field without moving it.
+        Some(expr) => quote_spanned! {expr.span()=>
+            #[allow(clippy::needless_borrows_for_generic_args)]
+            let #manager = ::distlock::__private::AsLockManager::lock_manager(&(#expr));
+        },
         None => quote! {
-            match ::distlock::__private::installed() {
+            let #manager = match ::distlock::__private::installed() {
                 ::core::result::Result::Ok(#manager) => #manager,
                 ::core::result::Result::Err(#error) => return #fail,
-            }
+            };
         },
     };
 
@@ -122,7 +126,7 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
         #(#outer)*
         #vis #sig {
             #(#inner)*
-            let #manager = #get_manager;
+            #get_manager
             let #guard = match #manager.lock(#key).template(#template_text) #options .acquire().await {
                 ::core::result::Result::Ok(#guard) => #guard,
                 #on_error

@@ -3,8 +3,6 @@
 
 pub use std::format;
 
-use std::borrow::Borrow;
-
 use crate::{LockError, LockGuard, LockManager};
 
 /// The installed manager, or the error that says how to install one.
@@ -12,9 +10,34 @@ pub fn installed() -> Result<&'static LockManager, LockError> {
     LockManager::installed().ok_or(LockError::NotInstalled)
 }
 
-/// Accepts `LockManager` and `&LockManager` (and anything else that borrows as one).
-pub fn manager<M: Borrow<LockManager> + ?Sized>(manager: &M) -> &LockManager {
-    manager.borrow()
+/// What `manager = …` accepts: a `LockManager`, a reference to one, or an `Arc` of one.
+/// The generated code passes `&(expr)`, so the impls are for references.
+#[diagnostic::on_unimplemented(
+    message = "`manager = …` must be a `LockManager`, `&LockManager` or `&Arc<LockManager>`",
+    label = "expected a `LockManager`",
+    note = "omit `manager` to use the manager installed with `LockManager::install()`"
+)]
+pub trait AsLockManager<'m> {
+    /// The manager to take the lock through.
+    fn lock_manager(self) -> &'m LockManager;
+}
+
+impl<'m> AsLockManager<'m> for &'m LockManager {
+    fn lock_manager(self) -> &'m LockManager {
+        self
+    }
+}
+
+impl<'m> AsLockManager<'m> for &&'m LockManager {
+    fn lock_manager(self) -> &'m LockManager {
+        self
+    }
+}
+
+impl<'m> AsLockManager<'m> for &'m std::sync::Arc<LockManager> {
+    fn lock_manager(self) -> &'m LockManager {
+        self
+    }
 }
 
 /// Return types that can carry a [`LockError`] out of an annotated function.

@@ -1,0 +1,15 @@
+use distlock::{distributed_lock, LockError};
+
+#[derive(Debug)]
+pub struct AppError;
+
+impl From<LockError> for AppError {
+    fn from(_: LockError) -> Self {
+        AppError
+    }
+}
+
+#[distributed_lock(key = "job")]
+async fn job() {}
+
+fn main() {}

@@ -1,0 +1,17 @@
+use distlock::{distributed_lock, LockError};
+
+#[derive(Debug)]
+pub struct AppError;
+
+impl From<LockError> for AppError {
+    fn from(_: LockError) -> Self {
+        AppError
+    }
+}
+
+trait Worker {
+    #[distributed_lock(key = "job")]
+    async fn work(&self) -> Result<(), AppError>;
+}
+
+fn main() {}
