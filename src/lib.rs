@@ -1,4 +1,63 @@
 //! Distributed locks for async Rust, on Redis.
+//!
+//! Annotate an `async fn` with [`#[distributed_lock]`](distributed_lock), configure a
+//! [`LockManager`] once at startup, and the function runs in at most one place at a time
+//! across every process that shares the Redis:
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use distlock::{distributed_lock, LockError, LockManager};
+//!
+//! # #[derive(Debug)] struct AppError;
+//! # impl From<LockError> for AppError { fn from(_: LockError) -> Self { AppError } }
+//! struct Order { id: u64 }
+//!
+//! #[distributed_lock(key = "order:{order.id}", ttl = "10s", retries = 3)]
+//! async fn ship(order: &Order) -> Result<(), AppError> {
+//!     // at most one `ship` per order id runs at a time, everywhere
+//!     Ok(())
+//! }
+//!
+//! # async fn start() -> Result<(), LockError> {
+//! let locks = LockManager::builder()
+//!     .redis_url("redis://127.0.0.1:6379")
+//!     .key_prefix("myapp:lock:")
+//!     .default_ttl(Duration::from_secs(30))
+//!     .build()
+//!     .await?;
+//! locks.install()?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The same by hand, with a [`LockGuard`]:
+//!
+//! ```no_run
+//! # async fn run(locks: distlock::LockManager) -> Result<(), distlock::LockError> {
+//! use std::time::Duration;
+//!
+//! let guard = locks.lock("order:42").ttl(Duration::from_secs(10)).retries(3).acquire().await?;
+//! // ... the critical section ...
+//! guard.release().await?; // dropping the guard releases too, in the background
+//!
+//! if let Some(guard) = locks.lock("nightly-report").try_acquire().await? {
+//!     // one attempt, `None` when someone else holds it
+//!     guard.release().await?;
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # What a lock here guarantees
+//!
+//! A lock is a *lease* with a random owner token. Release and extend check the token in a Lua
+//! script, so a holder whose lease ran out never deletes or extends the next holder's lock;
+//! it is told [`LockError::Lost`] instead. On one Redis server that is not failed over, two
+//! owners never hold the same key at once as far as Redis can tell.
+//!
+//! What no lease can prevent is a holder that stalls (GC, swap, a blocked executor) past its
+//! lease and then carries on. Where that would merely repeat work, the lock is enough. Where it
+//! would corrupt data, make the storage check [fencing tokens](LockGuard::fencing_token).
 #![warn(
     missing_docs,
     missing_debug_implementations,
@@ -6,5 +65,122 @@
     unreachable_pub
 )]
 
-pub use distlock_macros::distributed_lock;
 pub use distlock_runtime::*;
+
+/// Runs an `async fn` while holding a distributed lock.
+///
+/// The function's body runs only once the lock is taken; the lock is released (and the
+/// release awaited) when the body returns, on `?` and early `return` too. On a panic, or when
+/// the caller drops the future, the lock is released in the background. If the lock is not
+/// taken, the body does not run and the function returns `Err(E::from(LockError::…))`, so the
+/// function must return `Result<T, E>` with `E: From<LockError>`.
+///
+/// ```no_run
+/// use distlock::{distributed_lock, LockError};
+///
+/// #[derive(Debug)]
+/// enum AppError { Lock(LockError) }
+/// impl From<LockError> for AppError {
+///     fn from(e: LockError) -> Self { AppError::Lock(e) }
+/// }
+///
+/// struct Order { id: u64 }
+///
+/// #[distributed_lock(key = "order:{order.id}", ttl = "10s", retries = 3, retry_delay = "50ms")]
+/// async fn ship(order: &Order) -> Result<u64, AppError> {
+///     Ok(order.id)
+/// }
+/// ```
+///
+/// Every argument below also exists on the request builder, by the same name.
+///
+/// # `key = "…"` (required)
+///
+/// The lock's name. `{param}`, `{param.field}`, `{param.0}` and `{self.field}` insert a
+/// parameter (or a field of one) with `Display`; `{{` and `}}` are literal braces. A name
+/// that is not a parameter is a compile error. The Redis key is `prefix{key}`.
+///
+/// The same without the macro: `locks.lock(format!("order:{}", order.id))`.
+///
+/// # `ttl = "10s"`
+///
+/// The lease: how long the lock survives a holder that neither releases nor renews it. Units
+/// `ms`, `s`, `m`, `h`, checked at compile time. Default: the manager's `default_ttl` (30 s).
+///
+/// The same without the macro: `.ttl(Duration::from_secs(10))`.
+///
+/// # `retries = N`
+///
+/// Extra attempts after the first when the lock is busy. Default: the manager's (0).
+///
+/// The same without the macro: `.retries(3)`.
+///
+/// # `retry_delay = "50ms"`
+///
+/// The base delay between attempts. It doubles with every attempt (up to 32 times the base),
+/// is drawn uniformly below that ceiling (full jitter), and never runs past the remaining
+/// lease of the current holder. Default: the manager's (50 ms).
+///
+/// The same without the macro: `.retry_delay(Duration::from_millis(50))`.
+///
+/// # `wait = "5s"`
+///
+/// An upper bound on the total time spent trying. Alone, it keeps retrying until the time is
+/// up; with `retries`, whichever ends first. `wait` with `retries = 0` is a compile error.
+///
+/// The same without the macro: `.wait(Duration::from_secs(5))`.
+///
+/// # `fencing`
+///
+/// Draws a fencing token, a per-key number that grows with every acquisition; read it from
+/// the guard (see `guard`). The counter stays in Redis after release.
+///
+/// The same without the macro: `.fencing(true)` and [`LockGuard::fencing_token`].
+///
+/// # `on_busy = "error" | "skip"`
+///
+/// What to do when the lock was not taken because another owner holds it: return the error
+/// (default), or skip the body and return `Ok(Default::default())`, as scheduled jobs that
+/// run on every node want. Other failures (Redis unreachable) are always returned.
+///
+/// The same without the macro: `match locks.lock(key).try_acquire().await? { Some(g) => …,
+/// None => return Ok(Default::default()) }`.
+///
+/// # `guard = name`
+///
+/// Binds `name: &LockGuard` inside the body, for its key, fencing token, remaining lease,
+/// `extend`, and `is_held`.
+///
+/// ```no_run
+/// # use distlock::{distributed_lock, LockError};
+/// #[distributed_lock(key = "compaction", fencing, guard = lock)]
+/// async fn compact() -> Result<Option<u64>, LockError> {
+///     Ok(lock.fencing_token())
+/// }
+/// ```
+///
+/// # `manager = expr`
+///
+/// The manager to lock through: an expression of type `LockManager`, `&LockManager` or
+/// `&Arc<LockManager>`, such as a parameter or `self.locks`. Default: the one installed with
+/// [`LockManager::install`]; a call without one fails with [`LockError::NotInstalled`].
+///
+/// ```no_run
+/// # use distlock::{distributed_lock, LockError, LockManager};
+/// struct Billing { locks: LockManager, region: String }
+///
+/// impl Billing {
+///     #[distributed_lock(key = "invoice:{self.region}:{id}", manager = self.locks)]
+///     async fn invoice(&self, id: u64) -> Result<(), LockError> {
+///         Ok(())
+///     }
+/// }
+/// ```
+///
+/// # Misuse
+///
+/// Every mistake is a compile error that points at the offending token: a function that is
+/// not `async`, an item that is not a function, a trait method without a body, a missing,
+/// unknown or repeated argument, a duration without a unit, an unknown placeholder,
+/// unbalanced braces, a return type that cannot carry `LockError`, and contradictory options.
+pub use distlock_macros::distributed_lock;

@@ -53,7 +53,15 @@ pub struct LockGuard {
     token: String,
     fence: Option<u64>,
     lease: Lease,
+    acquired: Acquired,
     released: bool,
+}
+
+/// How an acquisition went: attempts made and time spent before the lock was held.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Acquired {
+    pub(crate) attempts: u32,
+    pub(crate) waited: Duration,
 }
 
 impl LockGuard {
@@ -63,6 +71,7 @@ impl LockGuard {
         token: String,
         fence: Option<u64>,
         lease: Lease,
+        acquired: Acquired,
     ) -> Self {
         Self {
             manager,
@@ -70,8 +79,19 @@ impl LockGuard {
             token,
             fence,
             lease,
+            acquired,
             released: false,
         }
+    }
+
+    /// How many attempts the acquisition took (1 when the lock was free at once).
+    pub fn attempts(&self) -> u32 {
+        self.acquired.attempts
+    }
+
+    /// How long the acquisition took, from the first attempt to holding the lock.
+    pub fn waited(&self) -> Duration {
+        self.acquired.waited
     }
 
     /// The key as it was requested (without the manager's prefix).

@@ -7,7 +7,7 @@ use tracing::Instrument;
 
 use crate::LockError;
 use crate::backend::Attempt;
-use crate::guard::{Lease, LockGuard};
+use crate::guard::{Acquired, Lease, LockGuard};
 use crate::key::Keys;
 use crate::manager::LockManager;
 use crate::retry::Backoff;
@@ -194,7 +194,11 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
             Ok(Attempt::Held { fence }) => {
                 in_flight.maybe_held = false;
                 drop(in_flight);
-                tracing::debug!(attempts, waited = ?started.elapsed(), "acquired");
+                let acquired = Acquired {
+                    attempts,
+                    waited: started.elapsed(),
+                };
+                tracing::debug!(attempts, waited = ?acquired.waited, "acquired");
                 let lease = Lease::new(sent, plan.ttl);
                 let fence = plan.fencing.then_some(fence);
                 return Ok(LockGuard::new(
@@ -203,6 +207,7 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
                     token,
                     fence,
                     lease,
+                    acquired,
                 ));
             }
             Ok(Attempt::Busy { holder_ttl }) => {
