@@ -60,6 +60,7 @@ impl Service {
     }
 }
 
+#[allow(async_fn_in_trait)]
 pub trait Worker {
     fn work(&self, id: u64) -> impl std::future::Future<Output = Result<u64, AppError>> + Send;
     async fn work_local(&self, id: u64) -> Result<u64, AppError>;
