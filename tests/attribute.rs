@@ -28,15 +28,21 @@ struct Order {
     id: u64,
 }
 
-/// Whether the lock named `key` is free right now (one attempt, released at once).
+/// Whether the lock named `key` is free right now (one attempt, released at once), asked
+/// from another task: another owner.
 async fn is_free(locks: &LockManager, key: &str) -> bool {
-    match locks.lock(key).try_acquire().await.unwrap() {
-        Some(guard) => {
-            guard.release().await.unwrap();
-            true
+    let (locks, key) = (locks.clone(), key.to_owned());
+    tokio::spawn(async move {
+        match locks.lock(key).try_acquire().await.unwrap() {
+            Some(guard) => {
+                guard.release().await.unwrap();
+                true
+            }
+            None => false,
         }
-        None => false,
-    }
+    })
+    .await
+    .unwrap()
 }
 
 #[distributed_lock(key = "order:{order.id}", ttl = "30s", manager = locks)]

@@ -9,14 +9,22 @@ use syn::{Expr, Ident, LitInt, LitStr};
 use crate::duration::{self, DurationArg};
 use crate::key::{self, Template};
 
-const KNOWN: &str =
-    "`key`, `ttl`, `retries`, `retry_delay`, `wait`, `fencing`, `on_busy`, `guard`, `manager`";
+const KNOWN: &str = "`key`, `ttl`, `retries`, `retry_delay`, `wait`, `watchdog`, `max_hold`, \
+     `reentrant`, `fencing`, `on_busy`, `on_lost`, `min_hold`, `guard`, `manager`";
 
 /// What to do when the lock is held by someone else.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum OnBusy {
     Error,
     Skip,
+}
+
+/// What to do when the lease is lost while the body runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OnLost {
+    Abort,
+    Error,
+    Continue,
 }
 
 /// The validated arguments.
@@ -28,6 +36,11 @@ pub(crate) struct Args {
     pub(crate) retry_delay: Option<DurationArg>,
     pub(crate) wait: Option<DurationArg>,
     pub(crate) fencing: Option<Ident>,
+    pub(crate) watchdog: Option<Ident>,
+    pub(crate) reentrant: Option<Ident>,
+    pub(crate) max_hold: Option<DurationArg>,
+    pub(crate) min_hold: Option<DurationArg>,
+    pub(crate) on_lost: Option<(LitStr, OnLost)>,
     pub(crate) on_busy: Option<(LitStr, OnBusy)>,
     pub(crate) guard: Option<Ident>,
     pub(crate) manager: Option<Expr>,
@@ -115,10 +128,28 @@ impl Args {
                 })?;
                 set(&mut self.retries, (lit, retries), meta)
             }
-            "fencing" => {
-                flag(meta, "fencing")?;
-                let ident = meta.path.get_ident().cloned().expect("checked above");
-                set(&mut self.fencing, ident, meta)
+            "fencing" => set(&mut self.fencing, flag(meta, "fencing")?, meta),
+            "watchdog" => set(&mut self.watchdog, flag(meta, "watchdog")?, meta),
+            "reentrant" => set(&mut self.reentrant, flag(meta, "reentrant")?, meta),
+            "max_hold" => set(&mut self.max_hold, duration_arg(meta, "max_hold")?, meta),
+            "min_hold" => set(&mut self.min_hold, duration_arg(meta, "min_hold")?, meta),
+            "on_lost" => {
+                let lit = string(meta, "on_lost")?;
+                let on_lost = match lit.value().as_str() {
+                    "abort" => OnLost::Abort,
+                    "error" => OnLost::Error,
+                    "continue" => OnLost::Continue,
+                    other => {
+                        return Err(syn::Error::new(
+                            lit.span(),
+                            format!(
+                                "unknown `on_lost` value {other:?}: expected `\"abort\"`, \
+                                 `\"error\"` or `\"continue\"`"
+                            ),
+                        ));
+                    }
+                };
+                set(&mut self.on_lost, (lit, on_lost), meta)
             }
             "on_busy" => {
                 let lit = string(meta, "on_busy")?;
@@ -148,7 +179,7 @@ impl Args {
                 let expr: Expr = meta.value()?.parse()?;
                 set(&mut self.manager, expr, meta)
             }
-            "watchdog" | "reentrant" | "max_hold" | "mode" | "permits" | "on_lost" | "min_hold" => {
+            "mode" | "permits" => {
                 // Consume a value if one was given, so that parsing goes on after the error.
                 if meta.input.peek(syn::Token![=]) {
                     let _: Expr = meta.value()?.parse()?;
@@ -170,6 +201,23 @@ impl Args {
 
     /// Options that cannot all be meant: reported at the later one.
     fn check_conflicts(&self, errors: &mut Errors) {
+        if let (Some(max_hold), None) = (&self.max_hold, &self.watchdog) {
+            errors.push(syn::Error::new(
+                max_hold.lit.span(),
+                "`max_hold` bounds watchdog renewal and has no effect without `watchdog`: \
+                 add `watchdog`, or use `ttl` to bound the lease",
+            ));
+        }
+        if let (Some(ttl), Some(min_hold)) = (&self.ttl, &self.min_hold)
+            && min_hold.millis > ttl.millis
+            && self.watchdog.is_none()
+        {
+            errors.push(syn::Error::new(
+                min_hold.lit.span(),
+                "`min_hold` is longer than `ttl`: a holder that dies leaves the lock to expire after \
+                 `ttl`, before `min_hold`; raise `ttl` to at least `min_hold`",
+            ));
+        }
         if let Some((_, 0)) = &self.retries {
             if let Some(wait) = &self.wait {
                 errors.push(syn::Error::new(
@@ -236,12 +284,16 @@ fn duration_arg(meta: &ParseNestedMeta<'_>, name: &str) -> syn::Result<DurationA
     }
 }
 
-fn flag(meta: &ParseNestedMeta<'_>, name: &str) -> syn::Result<()> {
+/// A bare flag such as `watchdog`; returns its ident for spans.
+fn flag(meta: &ParseNestedMeta<'_>, name: &str) -> syn::Result<Ident> {
     if meta.input.peek(syn::Token![=]) {
         let _: Expr = meta.value()?.parse()?;
         return Err(meta.error(format!(
             "`{name}` is a flag: write `{name}` without a value"
         )));
     }
-    Ok(())
+    meta.path
+        .get_ident()
+        .cloned()
+        .ok_or_else(|| meta.error("expected a flag name"))
 }

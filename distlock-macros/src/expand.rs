@@ -8,7 +8,7 @@ use syn::spanned::Spanned;
 use syn::visit_mut::VisitMut;
 use syn::{AttrStyle, Ident, Type};
 
-use crate::args::{self, Args, OnBusy};
+use crate::args::{self, Args, OnBusy, OnLost};
 use crate::check::{self, LockFn};
 use crate::fallback;
 
@@ -93,6 +93,30 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
     if let Some(flag) = &args.fencing {
         options.extend(quote_spanned!(flag.span()=> .fencing(true)));
     }
+    if let Some(flag) = &args.watchdog {
+        options.extend(quote_spanned!(flag.span()=> .watchdog(true)));
+    }
+    if let Some(max_hold) = &args.max_hold {
+        let d = millis(&max_hold.lit, max_hold.millis);
+        options.extend(quote!(.max_hold(#d)));
+    }
+    if let Some(flag) = &args.reentrant {
+        options.extend(quote_spanned!(flag.span()=> .reentrant(true)));
+    }
+    if let Some(min_hold) = &args.min_hold {
+        let d = millis(&min_hold.lit, min_hold.millis);
+        options.extend(quote!(.min_hold(#d)));
+    }
+    // Without a watchdog a lease is expected to cover the body; with one, a lost lease means
+    // another owner may be inside, so the body is stopped unless told otherwise.
+    let on_lost = match args.on_lost.as_ref().map(|(_, v)| *v) {
+        Some(OnLost::Abort) => quote!(Abort),
+        Some(OnLost::Error) => quote!(Error),
+        Some(OnLost::Continue) => quote!(Continue),
+        None if args.watchdog.is_some() => quote!(Abort),
+        None => quote!(Continue),
+    };
+    let on_lost = quote!(::distlock::__private::OnLost::#on_lost);
 
     let on_error = match &args.on_busy {
         Some((_, OnBusy::Skip)) => quote_spanned! {ret_span=>
@@ -132,7 +156,7 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
                 #on_error
             };
             #bind_guard
-            let #output = async move {
+            let #output = ::distlock::__private::run(&#guard, #on_lost, async move {
                 // Gives the block the function's return type, so `?` and `return` inside
                 // it convert exactly as they would in the original body.
                 #[allow(unreachable_code, clippy::diverging_sub_expression, clippy::empty_loop)]
@@ -141,9 +165,17 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
                     return #fake;
                 }
                 #(#stmts)*
-            }
+            })
             .await;
-            ::distlock::__private::release(#guard).await;
+            let #output = match #output {
+                ::core::result::Result::Ok(#output) => #output,
+                ::core::result::Result::Err(#error) => return #fail,
+            };
+            if let ::core::result::Result::Err(#error) =
+                ::distlock::__private::release(#guard, #on_lost).await
+            {
+                return #fail;
+            }
             #output
         }
     }

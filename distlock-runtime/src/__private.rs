@@ -3,6 +3,8 @@
 
 pub use std::format;
 
+use std::future::Future;
+
 use crate::{LockError, LockGuard, LockManager};
 
 /// The installed manager, or the error that says how to install one.
@@ -76,15 +78,63 @@ impl<T: Default, E> SkipReturn for Result<T, E> {
     }
 }
 
+/// What an annotated function does when its lease is lost while the body runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnLost {
+    /// Drop the body at once and return `LockError::Lost`.
+    Abort,
+    /// Let the body finish, then return `LockError::Lost` instead of its result.
+    Error,
+    /// Ignore it (a warning is logged at release).
+    Continue,
+}
+
+/// Runs the body in an acquisition context that holds `guard`, watching the lease as
+/// `on_lost` says.
+pub async fn run<F: Future>(
+    guard: &LockGuard,
+    on_lost: OnLost,
+    body: F,
+) -> Result<F::Output, LockError> {
+    let body = crate::context::run_holding(Some(guard.held()), body);
+    match on_lost {
+        OnLost::Abort => {
+            tokio::select! {
+                biased;
+                output = body => Ok(output),
+                lost = guard.lost() => {
+                    tracing::warn!(key = %guard.key(), "lease lost: the body was stopped");
+                    Err(lost)
+                }
+            }
+        }
+        OnLost::Error => {
+            let output = body.await;
+            if guard.is_lost() {
+                return Err(guard.lost().await);
+            }
+            Ok(output)
+        }
+        OnLost::Continue => Ok(body.await),
+    }
+}
+
 /// Releases after the body on the normal path, waiting for Redis so that the next waiter can
-/// enter at once. A lease found lost is logged: the body's own result is returned either way.
-pub async fn release(guard: LockGuard) {
+/// enter at once. A lease found lost is an error unless `on_lost` is `Continue`; other
+/// release failures are logged (the lease expires by itself) and not returned, since the
+/// body's work is done.
+pub async fn release(guard: LockGuard, on_lost: OnLost) -> Result<(), LockError> {
     let key = guard.key().to_owned();
     match guard.release().await {
-        Ok(()) => {}
+        Ok(()) => Ok(()),
+        Err(error @ LockError::Lost { .. }) if on_lost != OnLost::Continue => Err(error),
         Err(error @ LockError::Lost { .. }) => {
             tracing::warn!(%key, %error, "the lease ended before the body finished");
+            Ok(())
         }
-        Err(error) => tracing::warn!(%key, %error, "release failed; the lease will expire"),
+        Err(error) => {
+            tracing::warn!(%key, %error, "release failed; the lease will expire");
+            Ok(())
+        }
     }
 }

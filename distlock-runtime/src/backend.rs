@@ -67,21 +67,16 @@ impl Backend {
         Ok(backend)
     }
 
-    /// One acquire attempt for `token` on `lock` (fencing counter at `fence`).
-    pub(crate) async fn acquire(
-        &self,
-        lock: &str,
-        fence: &str,
-        token: &str,
-        lease: Duration,
-        fencing: bool,
-    ) -> RedisResult<Attempt> {
+    /// One acquire attempt for hold `req.hold` of `req.token` on `req.lock`.
+    pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
         let mut conn = self.conn.clone();
-        let mut call = scripts::ACQUIRE.key(lock);
-        call.key(fence)
-            .arg(token)
-            .arg(millis(lease))
-            .arg(if fencing { "1" } else { "0" });
+        let mut call = scripts::ACQUIRE.key(&req.lock);
+        call.key(&req.fence)
+            .arg(&req.token)
+            .arg(millis(req.lease))
+            .arg(flag(req.fencing))
+            .arg(&req.hold)
+            .arg(flag(req.reentrant));
         let (held, value): (i64, i64) = self.bounded(call.invoke_async(&mut conn)).await?;
         Ok(if held == 1 {
             Attempt::Held {
@@ -94,11 +89,20 @@ impl Backend {
         })
     }
 
-    /// Deletes `lock` if `token` owns it; `false` when it did not.
-    pub(crate) async fn release(&self, lock: &str, token: &str) -> RedisResult<bool> {
+    /// Gives back hold `hold` of `token` on `lock`, keeping the key `keep` longer (min_hold)
+    /// once no hold is left; `false` when the token did not hold the lock.
+    pub(crate) async fn release(
+        &self,
+        lock: &str,
+        token: &str,
+        hold: &str,
+        keep: Duration,
+    ) -> RedisResult<bool> {
         let mut conn = self.conn.clone();
         let mut call = scripts::RELEASE.key(lock);
-        call.arg(token);
+        call.arg(token)
+            .arg(hold)
+            .arg(u64::try_from(keep.as_millis()).unwrap_or(u64::MAX));
         let released: i64 = self.bounded(call.invoke_async(&mut conn)).await?;
         Ok(released == 1)
     }
@@ -115,6 +119,17 @@ impl Backend {
         call.arg(token).arg(millis(lease));
         let extended: i64 = self.bounded(call.invoke_async(&mut conn)).await?;
         Ok(extended == 1)
+    }
+
+    /// Renews every `(lock, token, lease)` still held by its token, in one round trip.
+    pub(crate) async fn renew(&self, items: &[(&str, &str, Duration)]) -> RedisResult<Vec<bool>> {
+        let mut conn = self.conn.clone();
+        let mut call = scripts::RENEW.prepare_invoke();
+        for (lock, token, lease) in items {
+            call.key(*lock).arg(*token).arg(millis(*lease));
+        }
+        let renewed: Vec<i64> = self.bounded(call.invoke_async(&mut conn)).await?;
+        Ok(renewed.into_iter().map(|r| r == 1).collect())
     }
 
     /// Whether `token` still owns `lock`.
@@ -138,6 +153,22 @@ async fn bounded<T>(limit: Duration, op: impl Future<Output = RedisResult<T>>) -
             format!("no answer from redis within {limit:?}"),
         ))),
     }
+}
+
+/// Everything one acquire attempt sends.
+#[derive(Debug, Clone)]
+pub(crate) struct AcquireRequest {
+    pub(crate) lock: String,
+    pub(crate) fence: String,
+    pub(crate) token: String,
+    pub(crate) hold: String,
+    pub(crate) lease: Duration,
+    pub(crate) fencing: bool,
+    pub(crate) reentrant: bool,
+}
+
+fn flag(on: bool) -> &'static str {
+    if on { "1" } else { "0" }
 }
 
 /// A lease in whole milliseconds, at least 1.

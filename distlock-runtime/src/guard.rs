@@ -1,43 +1,38 @@
 //! `LockGuard`: proof of holding a lock, and the way to give it back.
 
 use std::fmt;
-use std::sync::Mutex;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::LockError;
+use crate::context::Held;
 use crate::key::Keys;
+use crate::lease::LeaseState;
 use crate::manager::LockManager;
+use crate::watchdog::Registration;
 
-/// The lease as this process sees it: valid until a deadline measured on the monotonic clock
-/// from the moment the request was *sent*, minus a margin for clock drift between client and
-/// server (1 % of the lease plus 2 ms).
-#[derive(Debug)]
-pub(crate) struct Lease {
-    ttl: Duration,
-    valid_until: Mutex<Instant>,
+/// How an acquisition went: attempts made and time spent before the lock was held.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Acquired {
+    pub(crate) attempts: u32,
+    pub(crate) waited: Duration,
+    /// When the successful attempt was sent: the start of the lease.
+    pub(crate) sent: Instant,
 }
 
-impl Lease {
-    pub(crate) fn new(sent: Instant, ttl: Duration) -> Self {
-        Self {
-            ttl,
-            valid_until: Mutex::new(Self::deadline(sent, ttl)),
-        }
-    }
-
-    fn deadline(sent: Instant, ttl: Duration) -> Instant {
-        let drift = ttl / 100 + Duration::from_millis(2);
-        sent + ttl.saturating_sub(drift)
-    }
-
-    fn renewed(&self, sent: Instant, ttl: Duration) {
-        *self.valid_until.lock().unwrap_or_else(|e| e.into_inner()) = Self::deadline(sent, ttl);
-    }
-
-    fn remaining(&self) -> Duration {
-        let until = *self.valid_until.lock().unwrap_or_else(|e| e.into_inner());
-        until.saturating_duration_since(Instant::now())
-    }
+/// Everything a guard is made of, assembled by the acquire loop.
+#[derive(Debug)]
+pub(crate) struct Parts {
+    pub(crate) manager: LockManager,
+    pub(crate) keys: Keys,
+    pub(crate) token: String,
+    pub(crate) hold: String,
+    pub(crate) fence: Option<u64>,
+    pub(crate) lease: Arc<LeaseState>,
+    pub(crate) acquired: Acquired,
+    pub(crate) min_hold: Option<Duration>,
+    pub(crate) renewal: Option<Registration>,
+    pub(crate) held: Arc<Held>,
 }
 
 /// Proof that this owner holds a lock. Dropping it releases the lock.
@@ -48,60 +43,27 @@ impl Lease {
 /// instead; if that fails, the lease simply expires.
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct LockGuard {
-    manager: LockManager,
-    keys: Keys,
-    token: String,
-    fence: Option<u64>,
-    lease: Lease,
-    acquired: Acquired,
+    parts: Parts,
     released: bool,
 }
 
-/// How an acquisition went: attempts made and time spent before the lock was held.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Acquired {
-    pub(crate) attempts: u32,
-    pub(crate) waited: Duration,
-}
-
 impl LockGuard {
-    pub(crate) fn new(
-        manager: LockManager,
-        keys: Keys,
-        token: String,
-        fence: Option<u64>,
-        lease: Lease,
-        acquired: Acquired,
-    ) -> Self {
+    pub(crate) fn new(parts: Parts) -> Self {
         Self {
-            manager,
-            keys,
-            token,
-            fence,
-            lease,
-            acquired,
+            parts,
             released: false,
         }
     }
 
-    /// How many attempts the acquisition took (1 when the lock was free at once).
-    pub fn attempts(&self) -> u32 {
-        self.acquired.attempts
-    }
-
-    /// How long the acquisition took, from the first attempt to holding the lock.
-    pub fn waited(&self) -> Duration {
-        self.acquired.waited
-    }
-
     /// The key as it was requested (without the manager's prefix).
     pub fn key(&self) -> &str {
-        &self.keys.name
+        &self.parts.keys.name
     }
 
-    /// This acquisition's owner token: 128 random bits, in hex.
+    /// This acquisition's owner token: 128 random bits, in hex. Nested reentrant holds share
+    /// the outer hold's token.
     pub fn token(&self) -> &str {
-        &self.token
+        &self.parts.token
     }
 
     /// The fencing token drawn for this acquisition, when the request asked for one.
@@ -109,32 +71,88 @@ impl LockGuard {
     /// Tokens of one key grow strictly with every acquisition. Hand the token to the storage
     /// you write to and have it reject any write that carries a smaller token than the largest
     /// it has seen: that stops a holder whose lease ended (after a long GC pause, say) from
-    /// overwriting the work of the next holder.
+    /// overwriting the work of the next holder. A nested reentrant hold carries the outer
+    /// hold's token.
     pub fn fencing_token(&self) -> Option<u64> {
-        self.fence
+        self.parts.fence
     }
 
     /// The lease length this guard was granted or last extended to.
     pub fn ttl(&self) -> Duration {
-        self.lease.ttl
+        self.parts.lease.ttl()
+    }
+
+    /// How many attempts the acquisition took (1 when the lock was free at once).
+    pub fn attempts(&self) -> u32 {
+        self.parts.acquired.attempts
+    }
+
+    /// How long the acquisition took, from the first attempt to holding the lock.
+    pub fn waited(&self) -> Duration {
+        self.parts.acquired.waited
     }
 
     /// How long the lease is still valid by this process's monotonic clock, with a safety
-    /// margin for drift. Zero means: assume the lock is no longer held.
+    /// margin for drift; zero once the lease is known lost. The watchdog moves it forward.
     pub fn remaining(&self) -> Duration {
-        self.lease.remaining()
+        self.parts.lease.remaining()
+    }
+
+    /// Whether the lease is known to be lost: a renewal found another owner or no key, or the
+    /// local validity deadline passed without a renewal. Asks nothing of Redis.
+    pub fn is_lost(&self) -> bool {
+        self.parts.lease.is_lost()
+    }
+
+    /// Completes when the lease is lost, with the [`LockError::Lost`] to report.
+    ///
+    /// With the watchdog on, that is when a renewal finds the lock gone or taken, or when
+    /// renewals have failed until the local deadline; without it, when the lease runs out.
+    /// Race it against the work the lock protects to stop that work in time:
+    ///
+    /// ```no_run
+    /// # async fn run(guard: distlock_runtime::LockGuard) -> Result<(), distlock_runtime::LockError> {
+    /// # async fn work() {}
+    /// tokio::select! {
+    ///     () = work() => guard.release().await?,
+    ///     lost = guard.lost() => return Err(lost),
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn lost(&self) -> LockError {
+        let lease = &self.parts.lease;
+        let mut marked = lease.subscribe();
+        loop {
+            if lease.is_lost() {
+                lease.mark_lost();
+                return self.lost_error();
+            }
+            // The timer runs on the manager's runtime, so this works from any executor.
+            let deadline = tokio::time::Instant::from_std(lease.valid_until());
+            let timer = self
+                .parts
+                .manager
+                .inner
+                .driver
+                .run(tokio::time::sleep_until(deadline));
+            tokio::select! {
+                _ = marked.wait_for(|lost| *lost) => {}
+                _ = timer => {}
+            }
+        }
     }
 
     /// Asks Redis whether this owner still holds the lock.
     pub async fn is_held(&self) -> Result<bool, LockError> {
-        let inner = &self.manager.inner;
+        let inner = &self.parts.manager.inner;
         let backend = inner.backend.clone();
-        let (lock, token) = (self.keys.lock.clone(), self.token.clone());
+        let (lock, token) = (self.parts.keys.lock.clone(), self.parts.token.clone());
         inner
             .driver
             .run(async move { backend.holds(&lock, &token).await })
             .await?
-            .map_err(|e| LockError::redis(&self.keys.name, e))
+            .map_err(|e| LockError::redis(self.key(), e))
     }
 
     /// Sets the lease to `ttl` from now, if this owner still holds the lock; otherwise
@@ -146,66 +164,90 @@ impl LockGuard {
                 format!("a lease must be at least 1ms, got {ttl:?}"),
             ));
         }
-        let inner = &self.manager.inner;
+        let inner = &self.parts.manager.inner;
         let backend = inner.backend.clone();
-        let (lock, token) = (self.keys.lock.clone(), self.token.clone());
+        let (lock, token) = (self.parts.keys.lock.clone(), self.parts.token.clone());
         let sent = Instant::now();
         let extended = inner
             .driver
             .run(async move { backend.extend(&lock, &token, ttl).await })
             .await?
-            .map_err(|e| LockError::redis(&self.keys.name, e))?;
+            .map_err(|e| LockError::redis(self.key(), e))?;
         if !extended {
-            return Err(self.lost());
+            self.parts.lease.mark_lost();
+            return Err(self.lost_error());
         }
-        self.lease.renewed(sent, ttl);
+        self.parts.lease.renewed(sent, ttl);
         Ok(())
     }
 
-    /// Gives the lock back and waits for Redis to confirm.
+    /// Gives the lock back and waits for Redis to confirm. Renewal stops at once.
     ///
     /// [`LockError::Lost`] means the lease had already ended: another owner may have held the
     /// key meanwhile (that owner's lock is left untouched). A release whose reply is lost is
     /// sent once more; if that second attempt finds the lock gone, it counts as released.
+    /// With `min_hold`, the key stays (owned by nobody) until `min_hold` after the acquisition.
     pub async fn release(mut self) -> Result<(), LockError> {
         self.released = true;
-        let inner = &self.manager.inner;
+        self.parts.renewal = None;
+        let inner = &self.parts.manager.inner;
+        let keep = self.keep();
         let mut retried = false;
         loop {
             let backend = inner.backend.clone();
-            let (lock, token) = (self.keys.lock.clone(), self.token.clone());
+            let (lock, token, hold) = self.ids();
             let outcome = inner
                 .driver
-                .run(async move { backend.release(&lock, &token).await })
+                .run(async move { backend.release(&lock, &token, &hold, keep).await })
                 .await?;
             return match outcome {
-                Ok(true) => Ok(()),
+                Ok(true) => {
+                    tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "released");
+                    Ok(())
+                }
                 Ok(false) if retried => Ok(()),
-                Ok(false) => Err(self.lost()),
+                Ok(false) => {
+                    self.parts.lease.mark_lost();
+                    Err(self.lost_error())
+                }
                 Err(error) if !retried && error.is_io_error() => {
                     retried = true;
                     continue;
                 }
-                Err(error) => Err(LockError::redis(&self.keys.name, error)),
+                Err(error) => Err(LockError::redis(self.key(), error)),
             };
         }
     }
 
-    fn lost(&self) -> LockError {
+    /// How much longer the key must live after release (min_hold), from the acquisition.
+    fn keep(&self) -> Duration {
+        self.parts.min_hold.map_or(Duration::ZERO, |min| {
+            (self.parts.acquired.sent + min).saturating_duration_since(Instant::now())
+        })
+    }
+
+    fn ids(&self) -> (String, String, String) {
+        let p = &self.parts;
+        (p.keys.lock.clone(), p.token.clone(), p.hold.clone())
+    }
+
+    fn lost_error(&self) -> LockError {
         LockError::Lost {
-            key: self.keys.name.clone(),
+            key: self.parts.keys.name.clone(),
         }
+    }
+
+    pub(crate) fn held(&self) -> &Arc<Held> {
+        &self.parts.held
     }
 }
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
         if !self.released {
-            release_in_background(
-                &self.manager,
-                std::mem::take(&mut self.keys.lock),
-                std::mem::take(&mut self.token),
-            );
+            self.parts.renewal = None;
+            let (lock, token, hold) = self.ids();
+            release_in_background(&self.parts.manager, lock, token, hold, self.keep());
         }
     }
 }
@@ -213,23 +255,30 @@ impl Drop for LockGuard {
 impl fmt::Debug for LockGuard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockGuard")
-            .field("key", &self.keys.name)
-            .field("token", &self.token)
-            .field("fencing_token", &self.fence)
+            .field("key", &self.parts.keys.name)
+            .field("token", &self.parts.token)
+            .field("fencing_token", &self.parts.fence)
             .field("remaining", &self.remaining())
+            .field("watchdog", &self.parts.renewal.is_some())
             .finish_non_exhaustive()
     }
 }
 
-/// Sends a release for `token` without waiting for it; the outcome is only logged.
-pub(crate) fn release_in_background(manager: &LockManager, lock: String, token: String) {
+/// Sends a release for one hold without waiting for it; the outcome is only logged.
+pub(crate) fn release_in_background(
+    manager: &LockManager,
+    lock: String,
+    token: String,
+    hold: String,
+    keep: Duration,
+) {
     let inner = manager.inner.clone();
     manager.inner.driver.spawn(async move {
-        match inner.backend.release(&lock, &token).await {
+        match inner.backend.release(&lock, &token, &hold, keep).await {
             Ok(true) => tracing::debug!(%lock, "released in the background"),
             Ok(false) => tracing::debug!(%lock, "background release found the lock already gone"),
             Err(error) => {
-                tracing::warn!(%lock, %error, "background release failed; the lease will expire")
+                tracing::warn!(%lock, %error, "background release failed; the lease will expire");
             }
         }
     });

@@ -24,14 +24,17 @@
 )]
 
 mod backend;
+mod context;
 mod driver;
 mod error;
 mod guard;
 mod key;
+mod lease;
 mod lock;
 mod manager;
 mod retry;
 mod scripts;
+mod watchdog;
 
 #[cfg(feature = "test-util")]
 pub mod testing;
@@ -39,8 +42,9 @@ pub mod testing;
 #[doc(hidden)]
 pub mod __private;
 
+pub use context::scope;
 pub use error::LockError;
 pub use guard::LockGuard;
 pub use key::MAX_KEY_LEN;
 pub use lock::LockRequest;
-pub use manager::{LockManager, LockManagerBuilder};
+pub use manager::{LockManager, LockManagerBuilder, Stats};

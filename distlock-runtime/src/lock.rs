@@ -1,14 +1,17 @@
 //! The request builder for one lock, and the acquire loop.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::Instrument;
 
 use crate::LockError;
-use crate::backend::Attempt;
-use crate::guard::{Acquired, Lease, LockGuard};
+use crate::backend::{AcquireRequest, Attempt};
+use crate::context::{self, Held};
+use crate::guard::{Acquired, LockGuard, Parts};
 use crate::key::Keys;
+use crate::lease::LeaseState;
 use crate::manager::LockManager;
 use crate::retry::Backoff;
 
@@ -27,6 +30,10 @@ pub struct LockRequest<'m> {
     retry_delay: Option<Duration>,
     wait: Option<Duration>,
     fencing: bool,
+    watchdog: bool,
+    max_hold: Option<Duration>,
+    reentrant: bool,
+    min_hold: Option<Duration>,
 }
 
 impl fmt::Debug for LockRequest<'_> {
@@ -38,6 +45,10 @@ impl fmt::Debug for LockRequest<'_> {
             .field("retry_delay", &self.retry_delay)
             .field("wait", &self.wait)
             .field("fencing", &self.fencing)
+            .field("watchdog", &self.watchdog)
+            .field("max_hold", &self.max_hold)
+            .field("reentrant", &self.reentrant)
+            .field("min_hold", &self.min_hold)
             .finish_non_exhaustive()
     }
 }
@@ -52,6 +63,10 @@ struct Plan {
     backoff: Backoff,
     wait: Option<Duration>,
     fencing: bool,
+    watchdog: bool,
+    max_hold: Option<Duration>,
+    reentrant: bool,
+    min_hold: Option<Duration>,
 }
 
 impl<'m> LockRequest<'m> {
@@ -65,6 +80,10 @@ impl<'m> LockRequest<'m> {
             retry_delay: None,
             wait: None,
             fencing: false,
+            watchdog: false,
+            max_hold: None,
+            reentrant: false,
+            min_hold: None,
         }
     }
 
@@ -99,6 +118,41 @@ impl<'m> LockRequest<'m> {
     /// [`LockGuard::fencing_token`]. The counter stays in Redis after release.
     pub fn fencing(mut self, fencing: bool) -> Self {
         self.fencing = fencing;
+        self
+    }
+
+    /// Renew the lease while the guard lives: the manager's watchdog extends it at about a
+    /// third of the TTL, in one batched round trip for all leases due, and stops the moment
+    /// the guard is released or dropped, or when `max_hold` has passed. A renewal that finds
+    /// the lock gone or taken marks the lease lost ([`LockGuard::lost`]).
+    pub fn watchdog(mut self, watchdog: bool) -> Self {
+        self.watchdog = watchdog;
+        self
+    }
+
+    /// With `watchdog`: stop renewing after this long, whatever the holder does, so a body
+    /// that never finishes cannot hold the lock forever. Default: the manager's (1 hour).
+    pub fn max_hold(mut self, max_hold: Duration) -> Self {
+        self.max_hold = Some(max_hold);
+        self
+    }
+
+    /// Allow a nested acquisition of the same key in the same acquisition context (see
+    /// [`scope`](crate::scope)) to succeed: it shares the outer hold's owner token and adds one
+    /// to the hold count in Redis; the lock is free once every hold is released. Both the
+    /// outer and the nested request must be reentrant. Without it, a nested acquisition fails
+    /// at once with [`LockError::WouldDeadlock`].
+    pub fn reentrant(mut self, reentrant: bool) -> Self {
+        self.reentrant = reentrant;
+        self
+    }
+
+    /// Keep the key at least this long after the acquisition, even when released sooner:
+    /// release leaves it to expire at acquisition + `min_hold` (owned by nobody) instead of
+    /// deleting it. For scheduled jobs that must run at most once per period across nodes
+    /// whose clocks differ.
+    pub fn min_hold(mut self, min_hold: Duration) -> Self {
+        self.min_hold = Some(min_hold);
         self
     }
 
@@ -146,6 +200,14 @@ impl<'m> LockRequest<'m> {
                 ),
             ));
         }
+        for (what, value) in [("max_hold", self.max_hold), ("min_hold", self.min_hold)] {
+            if value.is_some_and(|v| v.is_zero()) {
+                return Err(LockError::invalid(
+                    what,
+                    format!("`{what}` must be greater than zero"),
+                ));
+            }
+        }
         let wait = self.wait.or(defaults.wait);
         // With only a time bound, keep trying until it runs out.
         let retries = match (self.retries, self.wait) {
@@ -162,20 +224,44 @@ impl<'m> LockRequest<'m> {
             backoff: Backoff::new(self.retry_delay.unwrap_or(defaults.retry_delay)),
             wait,
             fencing: self.fencing,
+            watchdog: self.watchdog,
+            max_hold: self.max_hold.or(defaults.max_hold),
+            reentrant: self.reentrant,
+            min_hold: self.min_hold,
         })
     }
 }
 
 async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockError> {
     let inner = &manager.inner;
-    let token = uuid::Uuid::new_v4().simple().to_string();
-    let fence_key = plan.keys.companion("fence");
+    let manager_id = Arc::as_ptr(inner) as usize;
+    let outer = context::find(manager_id, &plan.keys.lock);
+    let (token, hold) = match &outer {
+        Some(held) if held.reentrant && plan.reentrant => (held.token.clone(), new_token()),
+        Some(_) => {
+            return Err(LockError::WouldDeadlock {
+                key: plan.keys.name.clone(),
+            });
+        }
+        None => {
+            let token = new_token();
+            (token.clone(), token)
+        }
+    };
+    let request = AcquireRequest {
+        lock: plan.keys.lock.clone(),
+        fence: plan.keys.companion("fence"),
+        token,
+        hold,
+        lease: plan.ttl,
+        fencing: plan.fencing,
+        reentrant: plan.reentrant,
+    };
     let started = Instant::now();
     let deadline = plan.wait.map(|wait| started + wait);
     let mut in_flight = InFlight {
         manager,
-        lock: &plan.keys.lock,
-        token: &token,
+        request: &request,
         maybe_held: false,
     };
     let mut attempts = 0u32;
@@ -184,11 +270,10 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
         let sent = Instant::now();
         in_flight.maybe_held = true;
         let backend = inner.backend.clone();
-        let (lock, fence, owner) = (plan.keys.lock.clone(), fence_key.clone(), token.clone());
-        let (ttl, fencing) = (plan.ttl, plan.fencing);
+        let attempt = request.clone();
         let outcome = inner
             .driver
-            .run(async move { backend.acquire(&lock, &fence, &owner, ttl, fencing).await })
+            .run(async move { backend.acquire(&attempt).await })
             .await?;
         let (holder_ttl, failure) = match outcome {
             Ok(Attempt::Held { fence }) => {
@@ -197,24 +282,23 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
                 let acquired = Acquired {
                     attempts,
                     waited: started.elapsed(),
+                    sent,
                 };
                 tracing::debug!(attempts, waited = ?acquired.waited, "acquired");
-                let lease = Lease::new(sent, plan.ttl);
-                let fence = plan.fencing.then_some(fence);
-                return Ok(LockGuard::new(
-                    manager.clone(),
-                    plan.keys,
-                    token,
+                return Ok(grant(
+                    manager,
+                    plan,
+                    request,
                     fence,
-                    lease,
                     acquired,
+                    outer.is_some(),
                 ));
             }
             Ok(Attempt::Busy { holder_ttl }) => {
                 in_flight.maybe_held = false;
                 (holder_ttl, None)
             }
-            // A lost reply may hide a granted lock: the next attempt resends the same token,
+            // A lost reply may hide a granted lock: the next attempt resends the same hold,
             // which the script recognises; `in_flight` releases it if none follows.
             Err(error) if is_transient(&error) => {
                 tracing::debug!(attempts, %error, "acquire attempt failed");
@@ -242,6 +326,55 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
     }
 }
 
+/// Builds the guard of a granted request: lease state, renewal, and its place in the
+/// acquisition context.
+fn grant(
+    manager: &LockManager,
+    plan: Plan,
+    request: AcquireRequest,
+    fence: u64,
+    acquired: Acquired,
+    nested: bool,
+) -> LockGuard {
+    let inner = &manager.inner;
+    let lease = Arc::new(LeaseState::new(acquired.sent, plan.ttl));
+    let renewal = plan.watchdog.then(|| {
+        inner.watchdog.register(
+            inner,
+            request.lock.clone(),
+            request.token.clone(),
+            lease.clone(),
+            acquired.sent,
+            plan.max_hold,
+        )
+    });
+    let held = Arc::new(Held {
+        manager: Arc::as_ptr(inner) as usize,
+        lock: request.lock,
+        token: request.token.clone(),
+        reentrant: plan.reentrant,
+    });
+    if !nested {
+        context::record(&held);
+    }
+    LockGuard::new(Parts {
+        manager: manager.clone(),
+        keys: plan.keys,
+        token: request.token,
+        hold: request.hold,
+        fence: plan.fencing.then_some(fence),
+        lease,
+        acquired,
+        min_hold: plan.min_hold,
+        renewal,
+        held,
+    })
+}
+
+fn new_token() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
 /// Errors after which the same attempt may succeed if sent again.
 fn is_transient(error: &redis::RedisError) -> bool {
     error.is_io_error()
@@ -250,22 +383,24 @@ fn is_transient(error: &redis::RedisError) -> bool {
         || error.is_connection_refusal()
 }
 
-/// An attempt whose answer has not arrived: if the request is dropped here, the token may hold
-/// the lock on the server, so a release is sent behind it on the same connection.
+/// An attempt whose answer has not arrived: if the request is dropped here, the hold may
+/// exist on the server, so a release is sent behind it on the same connection.
 struct InFlight<'a> {
     manager: &'a LockManager,
-    lock: &'a str,
-    token: &'a str,
+    request: &'a AcquireRequest,
     maybe_held: bool,
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         if self.maybe_held {
+            let r = self.request;
             crate::guard::release_in_background(
                 self.manager,
-                self.lock.to_owned(),
-                self.token.to_owned(),
+                r.lock.clone(),
+                r.token.clone(),
+                r.hold.clone(),
+                Duration::ZERO,
             );
         }
     }

@@ -1,6 +1,7 @@
 //! `LockManager`: the configured connection to Redis that every lock goes through.
 
 use std::fmt;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -9,6 +10,7 @@ use crate::backend::{Backend, ConnectOptions};
 use crate::driver::Driver;
 use crate::key;
 use crate::lock::LockRequest;
+use crate::watchdog::Watchdog;
 
 static INSTALLED: OnceLock<LockManager> = OnceLock::new();
 
@@ -49,6 +51,7 @@ pub struct LockManager {
 pub(crate) struct Inner {
     pub(crate) backend: Backend,
     pub(crate) driver: Driver,
+    pub(crate) watchdog: Watchdog,
     pub(crate) prefix: String,
     pub(crate) defaults: Defaults,
     target: String,
@@ -61,6 +64,19 @@ pub(crate) struct Defaults {
     pub(crate) retries: u32,
     pub(crate) retry_delay: Duration,
     pub(crate) wait: Option<Duration>,
+    pub(crate) max_hold: Option<Duration>,
+}
+
+/// Counters of a manager's lease renewal, for monitoring and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Renewal script calls sent by the watchdog (each renews a whole batch of leases).
+    pub renewal_round_trips: u64,
+    /// Leases renewed, counted once per lease per renewal.
+    pub leases_renewed: u64,
+    /// Leases the watchdog found lost (gone or taken by another owner).
+    pub leases_lost: u64,
 }
 
 impl LockManager {
@@ -97,6 +113,16 @@ impl LockManager {
     /// The Redis key that holds the lock named `key`: `prefix{key}`.
     pub fn redis_key(&self, key: &str) -> String {
         format!("{}{{{key}}}", self.inner.prefix)
+    }
+
+    /// Renewal counters since the manager was built.
+    pub fn stats(&self) -> Stats {
+        let counters = self.inner.watchdog.counters();
+        Stats {
+            renewal_round_trips: counters.round_trips.load(Ordering::Relaxed),
+            leases_renewed: counters.renewed.load(Ordering::Relaxed),
+            leases_lost: counters.lost.load(Ordering::Relaxed),
+        }
     }
 
     pub(crate) fn defaults(&self) -> &Defaults {
@@ -137,6 +163,7 @@ impl Default for LockManagerBuilder {
                 retries: 0,
                 retry_delay: Duration::from_millis(50),
                 wait: None,
+                max_hold: Some(Duration::from_secs(3600)),
             },
             connect_timeout: Duration::from_secs(1),
             response_timeout: Duration::from_secs(1),
@@ -196,6 +223,13 @@ impl LockManagerBuilder {
         self
     }
 
+    /// How long the watchdog keeps renewing a lease whose request sets no `max_hold`
+    /// (default 1 hour). `None` renews for as long as the guard lives.
+    pub fn default_max_hold(mut self, max_hold: Option<Duration>) -> Self {
+        self.defaults.max_hold = max_hold;
+        self
+    }
+
     /// How long connecting to Redis may take (default 1 s).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
@@ -230,6 +264,7 @@ impl LockManagerBuilder {
             inner: Arc::new(Inner {
                 backend,
                 driver,
+                watchdog: Watchdog::default(),
                 prefix: self.prefix,
                 defaults: self.defaults,
                 target,

@@ -8,11 +8,11 @@ use std::sync::LazyLock;
 
 use redis::Script;
 
-/// Take an exclusive lock: `{1, fence}` when held, `{0, pttl}` when busy.
+/// Take (or re-enter) an exclusive lock: `{1, fence}` when held, `{0, pttl}` when busy.
 pub(crate) static ACQUIRE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("scripts/acquire.lua")));
 
-/// Give back an exclusive lock if the token still owns it: 1 released, 0 not held.
+/// Give back one hold of an exclusive lock if the token still owns it: 1 released, 0 not held.
 pub(crate) static RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("scripts/release.lua")));
 
@@ -20,9 +20,13 @@ pub(crate) static RELEASE: LazyLock<Script> =
 pub(crate) static EXTEND: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("scripts/extend.lua")));
 
+/// Renew a batch of leases, each checked against its token: one 1/0 per key.
+pub(crate) static RENEW: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("scripts/renew.lua")));
+
 /// Every script, for loading them all when a manager connects.
-pub(crate) fn all() -> [&'static Script; 3] {
-    [&ACQUIRE, &RELEASE, &EXTEND]
+pub(crate) fn all() -> [&'static Script; 4] {
+    [&ACQUIRE, &RELEASE, &EXTEND, &RENEW]
 }
 
 #[cfg(all(test, feature = "test-util"))]
@@ -38,12 +42,28 @@ mod tests {
         client.get_multiplexed_async_connection().await.unwrap()
     }
 
-    async fn acquire(conn: &mut MultiplexedConnection, token: &str, fencing: bool) -> (i64, i64) {
-        let mut call = ACQUIRE.key("l{k}");
-        call.key("l{k}:fence")
+    /// One acquire: (lock, token, hold, fencing, reentrant) -> (held, fence or pttl).
+    async fn acquire(
+        conn: &mut MultiplexedConnection,
+        lock: &str,
+        token: &str,
+        hold: &str,
+        fencing: bool,
+        reentrant: bool,
+    ) -> (i64, i64) {
+        let mut call = ACQUIRE.key(lock);
+        call.key(format!("{lock}:fence"))
             .arg(token)
             .arg(10_000)
-            .arg(if fencing { "1" } else { "0" });
+            .arg(if fencing { "1" } else { "0" })
+            .arg(hold)
+            .arg(if reentrant { "1" } else { "0" });
+        call.invoke_async(conn).await.unwrap()
+    }
+
+    async fn release(conn: &mut MultiplexedConnection, lock: &str, token: &str, hold: &str) -> i64 {
+        let mut call = RELEASE.key(lock);
+        call.arg(token).arg(hold).arg(0);
         call.invoke_async(conn).await.unwrap()
     }
 
@@ -51,17 +71,50 @@ mod tests {
     async fn acquire_is_exclusive_and_a_resend_is_idempotent() {
         let server = RedisServer::shared().unwrap();
         let mut conn = connect(&server).await;
-        assert_eq!(acquire(&mut conn, "a", true).await, (1, 1));
+        let lock = "l{excl}";
+        assert_eq!(
+            acquire(&mut conn, lock, "a", "a", true, false).await,
+            (1, 1)
+        );
         // A resend after a lost reply: still held, same fencing token, count unchanged.
-        assert_eq!(acquire(&mut conn, "a", true).await, (1, 1));
-        let count: String = conn.hget("l{k}", "a").await.unwrap();
+        assert_eq!(
+            acquire(&mut conn, lock, "a", "a", true, false).await,
+            (1, 1)
+        );
+        let count: String = conn.hget(lock, "a").await.unwrap();
         assert_eq!(count, "1");
-        let (held, pttl) = acquire(&mut conn, "b", true).await;
+        let (held, pttl) = acquire(&mut conn, lock, "b", "b", true, false).await;
         assert_eq!(held, 0);
         assert!(pttl > 9_000 && pttl <= 10_000, "{pttl}");
-        let fence: i64 = conn.get("l{k}:fence").await.unwrap();
+        let fence: i64 = conn.get("l{excl}:fence").await.unwrap();
         assert_eq!(fence, 1, "a busy attempt draws no token");
-        let _: () = conn.del(&["l{k}", "l{k}:fence"]).await.unwrap();
+        // Not reentrant: the same owner with a new hold is refused.
+        assert_eq!(acquire(&mut conn, lock, "a", "a2", false, false).await.0, 0);
+        let _: () = conn.del(&[lock, "l{excl}:fence"]).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn reentrant_holds_count_up_and_down_once_per_request() {
+        let server = RedisServer::shared().unwrap();
+        let mut conn = connect(&server).await;
+        let lock = "l{reent}";
+        assert_eq!(acquire(&mut conn, lock, "a", "a", false, true).await.0, 1);
+        assert_eq!(acquire(&mut conn, lock, "a", "h2", false, true).await.0, 1);
+        // The nested request resent: no second count.
+        assert_eq!(acquire(&mut conn, lock, "a", "h2", false, true).await.0, 1);
+        let count: String = conn.hget(lock, "a").await.unwrap();
+        assert_eq!(count, "2");
+        // Another owner stays out, reentrant or not.
+        assert_eq!(acquire(&mut conn, lock, "b", "b", false, true).await.0, 0);
+
+        assert_eq!(release(&mut conn, lock, "a", "h2").await, 1);
+        // The nested release resent: counted once, the lock still held.
+        assert_eq!(release(&mut conn, lock, "a", "h2").await, 1);
+        let count: String = conn.hget(lock, "a").await.unwrap();
+        assert_eq!(count, "1");
+        assert_eq!(release(&mut conn, lock, "a", "a").await, 1);
+        assert!(!conn.exists::<_, bool>(lock).await.unwrap());
+        assert_eq!(release(&mut conn, lock, "a", "a").await, 0);
     }
 
     #[tokio::test]
@@ -69,9 +122,8 @@ mod tests {
         let server = RedisServer::shared().unwrap();
         let mut conn = connect(&server).await;
         let lock = "l{owner}";
-        let mut call = ACQUIRE.key(lock);
-        call.key("l{owner}:fence").arg("a").arg(1_000).arg("0");
-        let _: (i64, i64) = call.invoke_async(&mut conn).await.unwrap();
+        acquire(&mut conn, lock, "a", "a", false, false).await;
+        let _: () = conn.pexpire(lock, 1_000).await.unwrap();
 
         let stranger: i64 = EXTEND
             .key(lock)
@@ -94,29 +146,50 @@ mod tests {
         let pttl: i64 = conn.pttl(lock).await.unwrap();
         assert!(pttl > 50_000);
 
-        let stranger: i64 = RELEASE
-            .key(lock)
-            .arg("b")
-            .invoke_async(&mut conn)
-            .await
-            .unwrap();
-        assert_eq!(stranger, 0);
+        assert_eq!(release(&mut conn, lock, "b", "b").await, 0);
         assert!(conn.exists::<_, bool>(lock).await.unwrap());
-        let owner: i64 = RELEASE
-            .key(lock)
-            .arg("a")
-            .invoke_async(&mut conn)
-            .await
-            .unwrap();
-        assert_eq!(owner, 1);
+        assert_eq!(release(&mut conn, lock, "a", "a").await, 1);
         assert!(!conn.exists::<_, bool>(lock).await.unwrap());
-        let again: i64 = RELEASE
-            .key(lock)
-            .arg("a")
-            .invoke_async(&mut conn)
-            .await
-            .unwrap();
-        assert_eq!(again, 0);
+    }
+
+    #[tokio::test]
+    async fn renew_extends_only_what_each_token_holds() {
+        let server = RedisServer::shared().unwrap();
+        let mut conn = connect(&server).await;
+        acquire(&mut conn, "l{r1}", "a", "a", false, false).await;
+        acquire(&mut conn, "l{r2}", "b", "b", false, false).await;
+        let mut call = RENEW.prepare_invoke();
+        call.key("l{r1}").arg("a").arg(60_000);
+        call.key("l{r2}").arg("not-b").arg(60_000);
+        call.key("l{r3}").arg("c").arg(60_000);
+        let renewed: Vec<i64> = call.invoke_async(&mut conn).await.unwrap();
+        assert_eq!(renewed, vec![1, 0, 0]);
+        let pttl: i64 = conn.pttl("l{r1}").await.unwrap();
+        assert!(pttl > 50_000);
+        let pttl: i64 = conn.pttl("l{r2}").await.unwrap();
+        assert!(pttl <= 10_000, "a stolen lock is never extended");
+        assert!(!conn.exists::<_, bool>("l{r3}").await.unwrap());
+        let _: () = conn.del(&["l{r1}", "l{r2}"]).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn min_hold_keeps_the_key_without_an_owner() {
+        let server = RedisServer::shared().unwrap();
+        let mut conn = connect(&server).await;
+        let lock = "l{min}";
+        acquire(&mut conn, lock, "a", "a", false, false).await;
+        let mut call = RELEASE.key(lock);
+        call.arg("a").arg("a").arg(5_000);
+        let released: i64 = call.invoke_async(&mut conn).await.unwrap();
+        assert_eq!(released, 1);
+        let pttl: i64 = conn.pttl(lock).await.unwrap();
+        assert!(pttl > 4_000 && pttl <= 5_000, "{pttl}");
+        assert!(
+            !conn.hexists::<_, _, bool>(lock, "a").await.unwrap(),
+            "no owner left"
+        );
+        assert_eq!(acquire(&mut conn, lock, "b", "b", false, false).await.0, 0);
+        let _: () = conn.del(lock).await.unwrap();
     }
 
     #[tokio::test]
@@ -128,12 +201,6 @@ mod tests {
             .query_async(&mut conn)
             .await
             .unwrap();
-        let released: i64 = RELEASE
-            .key("l{flush}")
-            .arg("a")
-            .invoke_async(&mut conn)
-            .await
-            .unwrap();
-        assert_eq!(released, 0);
+        assert_eq!(release(&mut conn, "l{flush}", "a", "a").await, 0);
     }
 }

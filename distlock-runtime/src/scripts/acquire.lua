@@ -1,33 +1,54 @@
--- Take an exclusive lock.
+-- Take an exclusive lock, or re-enter one that this owner already holds.
 --
--- KEYS[1]  the lock: a hash {owner token -> hold count, "fence" -> fencing token}
+-- KEYS[1]  the lock: a hash {owner token -> hold count, "h:<hold id>" -> 1 per hold,
+--          "fence" -> the current owner's fencing token}
 -- KEYS[2]  the lock's fencing counter (same hash tag; touched only when ARGV[3] == "1")
 -- ARGV[1]  owner token
 -- ARGV[2]  lease in milliseconds
 -- ARGV[3]  "1" to draw a fencing token, "0" otherwise
+-- ARGV[4]  hold id: names this one acquisition (equal to the token for a first hold)
+-- ARGV[5]  "1" if a holder with the same token may re-enter, "0" otherwise
 --
 -- Returns {1, fence} when the caller holds the lock (fence is 0 without fencing),
 -- or {0, pttl} when another owner holds it for pttl more milliseconds.
--- A resent request (same token, reply lost) finds its own field and succeeds again
--- without drawing a second fencing token.
+-- Idempotent per hold id: a request resent after a lost reply finds its own hold and
+-- succeeds again without counting twice or drawing a second fencing token.
 
-local lock, token, lease = KEYS[1], ARGV[1], ARGV[2]
+local lock, token, lease, hold = KEYS[1], ARGV[1], tonumber(ARGV[2]), 'h:' .. ARGV[4]
 
-if redis.call('hexists', lock, token) == 1 then
+local function fence()
+  return tonumber(redis.call('hget', lock, 'fence') or '0')
+end
+
+-- Never shorten a lease that an outer hold of the same owner asked for.
+local function lengthen()
+  if redis.call('pttl', lock) < lease then
+    redis.call('pexpire', lock, lease)
+  end
+end
+
+if redis.call('hexists', lock, hold) == 1 then
+  lengthen()
+  return {1, fence()}
+end
+
+if redis.call('exists', lock) == 0 then
+  local drawn = 0
+  if ARGV[3] == '1' then
+    drawn = redis.call('incr', KEYS[2])
+    redis.call('hset', lock, token, 1, hold, 1, 'fence', drawn)
+  else
+    redis.call('hset', lock, token, 1, hold, 1)
+  end
   redis.call('pexpire', lock, lease)
-  return {1, tonumber(redis.call('hget', lock, 'fence') or '0')}
+  return {1, drawn}
 end
 
-if redis.call('exists', lock) == 1 then
-  return {0, redis.call('pttl', lock)}
+if ARGV[5] == '1' and redis.call('hexists', lock, token) == 1 then
+  redis.call('hincrby', lock, token, 1)
+  redis.call('hset', lock, hold, 1)
+  lengthen()
+  return {1, fence()}
 end
 
-local fence = 0
-if ARGV[3] == '1' then
-  fence = redis.call('incr', KEYS[2])
-  redis.call('hset', lock, token, 1, 'fence', fence)
-else
-  redis.call('hset', lock, token, 1)
-end
-redis.call('pexpire', lock, lease)
-return {1, fence}
+return {0, redis.call('pttl', lock)}

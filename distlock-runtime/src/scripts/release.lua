@@ -1,13 +1,35 @@
--- Give back an exclusive lock, only if the caller still owns it.
+-- Give back one hold of an exclusive lock, only if the caller still owns it.
 --
 -- KEYS[1]  the lock hash
 -- ARGV[1]  owner token
+-- ARGV[2]  hold id
+-- ARGV[3]  milliseconds the key must still live after the last hold ends (min_hold);
+--          "0" deletes it at once
 --
--- Returns 1 when the caller's lock was deleted, 0 when the caller did not hold it
--- (its lease expired, or another owner holds the key now: that lock is left alone).
+-- Returns 1 when the hold was given back (the last hold deletes the lock, or leaves it to
+-- expire after ARGV[3] ms with no owner), 0 when the caller did not hold the lock (its lease
+-- expired, or another owner holds the key now: that lock is left alone).
+-- Idempotent per hold id: a resent release of a hold already given back, while the owner
+-- still holds the lock through other holds, succeeds without counting twice.
 
-if redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
-  return 0
+local lock, token, hold = KEYS[1], ARGV[1], 'h:' .. ARGV[2]
+
+if redis.call('hexists', lock, hold) == 0 then
+  return redis.call('hexists', lock, token)
 end
-redis.call('del', KEYS[1])
+
+redis.call('hdel', lock, hold)
+if redis.call('hincrby', lock, token, -1) > 0 then
+  return 1
+end
+
+local keep = tonumber(ARGV[3])
+if keep > 0 then
+  -- Nobody owns it any more, but nobody may take it before min_hold has passed.
+  redis.call('del', lock)
+  redis.call('hset', lock, 'min_hold', 1)
+  redis.call('pexpire', lock, keep)
+else
+  redis.call('del', lock)
+end
 return 1

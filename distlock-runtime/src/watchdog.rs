@@ -1,0 +1,255 @@
+//! Lease renewal: one watchdog per manager for every lease that asked for it.
+//!
+//! The watchdog is a single task on the manager's driver runtime. It wakes when the earliest
+//! renewal is due and renews every lease due by then (and those nearly due) in one round trip
+//! with a token-checked script, so N held leases cost one command per tick, not N timers.
+//! A lease is renewed at about a third of its TTL; a lease whose renewal finds another owner
+//! or no key is marked lost and dropped, and one is dropped as soon as its guard is released.
+//!
+//! Renewal also requires the holder to be alive: each tick sends a tiny probe task to the
+//! runtime that acquired the lease, and a lease whose previous probe has not run (that
+//! runtime is blocked or gone) is not renewed, so it expires instead of outliving a stuck
+//! holder. `max_hold` ends renewal for a body that never finishes.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::runtime::Handle;
+use tokio::sync::Notify;
+
+use crate::lease::LeaseState;
+use crate::manager::Inner;
+
+/// At most this many leases per renewal script call.
+const BATCH: usize = 512;
+
+/// A registered lease; it stops being renewed when this handle is dropped.
+#[derive(Debug)]
+pub(crate) struct Registration {
+    id: u64,
+    watchdog: Weak<Shared>,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if let Some(shared) = self.watchdog.upgrade() {
+            shared.lock().by_id.remove(&self.id);
+        }
+    }
+}
+
+/// Counters of the renewal work done by a manager.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) round_trips: AtomicU64,
+    pub(crate) renewed: AtomicU64,
+    pub(crate) lost: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Watchdog {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    leases: Mutex<Leases>,
+    wake: Notify,
+    counters: Counters,
+}
+
+#[derive(Debug, Default)]
+struct Leases {
+    by_id: HashMap<u64, Lease>,
+    next_id: u64,
+    running: bool,
+}
+
+#[derive(Debug)]
+struct Lease {
+    lock: String,
+    token: String,
+    ttl: Duration,
+    state: Arc<LeaseState>,
+    next_renewal: Instant,
+    stop_at: Option<Instant>,
+    holder: Option<Handle>,
+    alive: Arc<AtomicBool>,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Leases> {
+        self.leases.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Watchdog {
+    pub(crate) fn counters(&self) -> &Counters {
+        &self.shared.counters
+    }
+
+    /// Starts renewing `lock` for `token` every ~`ttl`/3 until the registration is dropped or
+    /// `max_hold` has passed since `acquired`.
+    pub(crate) fn register(
+        &self,
+        manager: &Arc<Inner>,
+        lock: String,
+        token: String,
+        state: Arc<LeaseState>,
+        acquired: Instant,
+        max_hold: Option<Duration>,
+    ) -> Registration {
+        let ttl = state.ttl();
+        let lease = Lease {
+            lock,
+            token,
+            ttl,
+            state,
+            next_renewal: acquired + ttl / 3,
+            stop_at: max_hold.map(|max| acquired + max),
+            holder: Handle::try_current().ok(),
+            alive: Arc::new(AtomicBool::new(true)),
+        };
+        let (id, start) = {
+            let mut leases = self.shared.lock();
+            let id = leases.next_id;
+            leases.next_id += 1;
+            leases.by_id.insert(id, lease);
+            (id, !std::mem::replace(&mut leases.running, true))
+        };
+        if start {
+            let task = run(self.shared.clone(), Arc::downgrade(manager));
+            manager.driver.spawn(task);
+        } else {
+            self.shared.wake.notify_one();
+        }
+        Registration {
+            id,
+            watchdog: Arc::downgrade(&self.shared),
+        }
+    }
+}
+
+/// One lease of a batch: what to send, and where to put the answer.
+struct Due {
+    id: u64,
+    lock: String,
+    token: String,
+    ttl: Duration,
+    state: Arc<LeaseState>,
+}
+
+/// The watchdog task: ends when no lease is left, or with the manager's runtime.
+async fn run(shared: Arc<Shared>, manager: Weak<Inner>) {
+    loop {
+        let (due, next_wake) = {
+            let mut leases = shared.lock();
+            let (due, next_wake) = collect_due(&mut leases);
+            if leases.by_id.is_empty() {
+                leases.running = false;
+                return;
+            }
+            (due, next_wake)
+        };
+        if !due.is_empty() {
+            let Some(inner) = manager.upgrade() else {
+                return;
+            };
+            renew(&shared, &inner, due).await;
+            drop(inner);
+            continue;
+        }
+        let wake = shared.wake.notified();
+        let sleep = tokio::time::sleep_until(next_wake.into());
+        tokio::pin!(wake, sleep);
+        tokio::select! {
+            () = &mut wake => {}
+            () = &mut sleep => {}
+        }
+    }
+}
+
+/// Takes out the leases to renew now; drops the ones past `max_hold`, lost, or whose holder
+/// did not answer its probe. Returns the batch and when to look again.
+fn collect_due(leases: &mut Leases) -> (Vec<Due>, Instant) {
+    let now = Instant::now();
+    let mut due = Vec::new();
+    let mut next_wake = now + Duration::from_secs(3600);
+    leases.by_id.retain(|&id, lease| {
+        if lease.stop_at.is_some_and(|stop| now >= stop) {
+            tracing::debug!(lock = %lease.lock, "max_hold reached: renewal stops");
+            return false;
+        }
+        if lease.state.is_lost() {
+            lease.state.mark_lost();
+            return false;
+        }
+        // Renew what is due within a sixth of its TTL, so that leases taken close together
+        // share one round trip.
+        if lease.next_renewal <= now + lease.ttl / 6 {
+            let holder_alive = lease.alive.swap(false, Ordering::AcqRel);
+            if let Some(holder) = &lease.holder {
+                let alive = lease.alive.clone();
+                drop(holder.spawn(async move { alive.store(true, Ordering::Release) }));
+            } else {
+                lease.alive.store(true, Ordering::Release);
+            }
+            lease.next_renewal = now + lease.ttl / 3;
+            if holder_alive {
+                due.push(Due {
+                    id,
+                    lock: lease.lock.clone(),
+                    token: lease.token.clone(),
+                    ttl: lease.ttl,
+                    state: lease.state.clone(),
+                });
+            } else {
+                tracing::warn!(lock = %lease.lock, "the holder's runtime did not answer: not renewing");
+            }
+        }
+        // Wake for the next renewal, and at the local deadline to report an expiry.
+        next_wake = next_wake.min(lease.next_renewal).min(lease.state.valid_until());
+        true
+    });
+    (due, next_wake)
+}
+
+async fn renew(shared: &Shared, inner: &Inner, due: Vec<Due>) {
+    for batch in due.chunks(BATCH) {
+        let sent = Instant::now();
+        let items: Vec<(&str, &str, Duration)> = batch
+            .iter()
+            .map(|d| (d.lock.as_str(), d.token.as_str(), d.ttl))
+            .collect();
+        shared.counters.round_trips.fetch_add(1, Ordering::Relaxed);
+        match inner.backend.renew(&items).await {
+            Ok(results) => {
+                let mut leases = shared.lock();
+                for (lease, renewed) in batch.iter().zip(results) {
+                    if renewed {
+                        lease.state.renewed(sent, lease.ttl);
+                        shared.counters.renewed.fetch_add(1, Ordering::Relaxed);
+                    } else if leases.by_id.remove(&lease.id).is_some() {
+                        // (A lease released while its renewal was in flight is not lost.)
+                        tracing::warn!(lock = %lease.lock, "lease lost: renewal found another owner or no key");
+                        shared.counters.lost.fetch_add(1, Ordering::Relaxed);
+                        lease.state.mark_lost();
+                    }
+                }
+            }
+            // Try again soon; the local deadline reports the loss if Redis stays away.
+            Err(error) => {
+                tracing::warn!(%error, leases = batch.len(), "lease renewal failed");
+                let mut leases = shared.lock();
+                for lease in batch {
+                    if let Some(entry) = leases.by_id.get_mut(&lease.id) {
+                        let soon = (lease.ttl / 10).min(Duration::from_secs(1));
+                        entry.next_renewal = Instant::now() + soon;
+                    }
+                }
+            }
+        }
+    }
+}
