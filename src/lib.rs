@@ -130,6 +130,57 @@ pub use distlock_runtime::*;
 ///
 /// The same without the macro: `.wait(Duration::from_secs(5))`.
 ///
+/// # `watchdog`
+///
+/// Renews the lease while the body runs, so a body may take longer than `ttl` without losing
+/// the lock; `ttl` then only bounds how long a crashed or stuck holder keeps it. One watchdog
+/// per manager renews every due lease at about `ttl / 3` in one batched round trip, with a
+/// script that checks the owner token, so it never extends a lock someone else now holds. It
+/// stops the moment the body ends (or the future is dropped), when `max_hold` has passed, and
+/// when the holder's runtime stops answering (a blocked executor loses its lease instead of
+/// keeping it forever).
+///
+/// The same without the macro: `.watchdog(true)`.
+///
+/// # `max_hold = "10m"`
+///
+/// With `watchdog`: stop renewing after this long, whatever the body does, so a body that
+/// never finishes cannot keep the lock forever. Default: the manager's `default_max_hold`
+/// (1 hour). Without `watchdog` it is a compile error.
+///
+/// The same without the macro: `.max_hold(Duration::from_secs(600))`.
+///
+/// # `on_lost = "abort" | "error" | "continue"`
+///
+/// What happens when the lease is lost while the body runs (a renewal found the key gone or
+/// taken, or the lease ran out without a renewal): `abort` drops the body future at its next
+/// `.await` and returns `LockError::Lost`; `error` lets the body finish and then returns
+/// `LockError::Lost` instead of its result; `continue` ignores it. The default is `abort` with
+/// `watchdog` — a lost lease there means another owner may already be inside, and the body
+/// should stop touching the resource — and `continue` without it (the lease is expected to
+/// cover the body; a loss found at release is logged).
+///
+/// The same without the macro: race the work against [`LockGuard::lost`].
+///
+/// # `reentrant`
+///
+/// A nested call that takes the same key in the same task succeeds instead of waiting for
+/// itself: it shares the outer hold's owner token, the hold count in Redis goes up, and the
+/// lock is free once every hold is released. Ownership is the task's acquisition context, not
+/// the thread: a task spawned from inside the body is another owner and waits. Without
+/// `reentrant`, such a nested call fails at once with [`LockError::WouldDeadlock`].
+///
+/// The same without the macro: `.reentrant(true)` on both requests, inside [`scope`].
+///
+/// # `min_hold = "30s"`
+///
+/// Keeps the key at least this long after acquisition, even if the body ends sooner: release
+/// leaves the key (owned by nobody) to expire at acquisition + `min_hold`. With
+/// `on_busy = "skip"`, a scheduled job then runs at most once per `min_hold` across nodes
+/// whose clocks and schedules differ a little.
+///
+/// The same without the macro: `.min_hold(Duration::from_secs(30))`.
+///
 /// # `fencing`
 ///
 /// Draws a fencing token, a per-key number that grows with every acquisition; read it from
@@ -182,5 +233,7 @@ pub use distlock_runtime::*;
 /// Every mistake is a compile error that points at the offending token: a function that is
 /// not `async`, an item that is not a function, a trait method without a body, a missing,
 /// unknown or repeated argument, a duration without a unit, an unknown placeholder,
-/// unbalanced braces, a return type that cannot carry `LockError`, and contradictory options.
+/// unbalanced braces, a return type that cannot carry `LockError`, and contradictory options
+/// (`wait` or `retry_delay` with `retries = 0`, `max_hold` without `watchdog`, `min_hold`
+/// longer than `ttl`).
 pub use distlock_macros::distributed_lock;
