@@ -3,8 +3,12 @@
 //! Every method here runs on the manager's driver runtime (see `driver`) and is bounded by the
 //! manager's response timeout, including the time spent waiting for a reconnect.
 
+use std::collections::HashMap;
 use std::io;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use tokio::runtime;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, RedisError, RedisResult};
@@ -28,22 +32,34 @@ pub(crate) struct ConnectOptions {
 }
 
 /// A single Redis server (or anything that speaks to one endpoint).
+///
+/// Connections are kept per tokio runtime: a multiplexed connection's I/O task lives on the
+/// runtime that opened it, so each runtime that uses the manager gets its own, and a runtime
+/// that shuts down takes only its own connection with it. Requests then never hop to another
+/// thread on their way to the socket.
 #[derive(Clone)]
 pub(crate) struct Backend {
-    conn: ConnectionManager,
+    pool: Arc<Pool>,
+}
+
+struct Pool {
+    client: Client,
+    config: ConnectionManagerConfig,
     response_timeout: Duration,
+    connect_timeout: Duration,
+    by_runtime: Mutex<HashMap<runtime::Id, ConnectionManager>>,
 }
 
 impl std::fmt::Debug for Backend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Backend")
-            .field("response_timeout", &self.response_timeout)
+            .field("response_timeout", &self.pool.response_timeout)
             .finish_non_exhaustive()
     }
 }
 
 impl Backend {
-    /// Connects to `url` and loads every script.
+    /// Connects to `url` from the current runtime and loads every script.
     pub(crate) async fn connect(url: &str, options: ConnectOptions) -> RedisResult<Self> {
         let client = Client::open(url)?;
         let config = ConnectionManagerConfig::new()
@@ -52,24 +68,47 @@ impl Backend {
             .set_number_of_retries(1)
             .set_min_delay(Duration::from_millis(20))
             .set_max_delay(Duration::from_millis(200));
-        let connect = ConnectionManager::new_with_config(client, config);
-        let conn = bounded(options.connect_timeout * 3, connect).await?;
         let backend = Self {
-            conn,
-            response_timeout: options.response_timeout,
+            pool: Arc::new(Pool {
+                client,
+                config,
+                response_timeout: options.response_timeout,
+                connect_timeout: options.connect_timeout,
+                by_runtime: Mutex::new(HashMap::new()),
+            }),
         };
+        let mut conn = backend.conn()?;
+        let limit = options.connect_timeout * 3;
         for script in scripts::all() {
-            let mut conn = backend.conn.clone();
-            backend
-                .bounded(script.prepare_invoke().load_async(&mut conn))
-                .await?;
+            bounded(limit, script.prepare_invoke().load_async(&mut conn)).await?;
         }
         Ok(backend)
     }
 
+    /// The connection of the current tokio runtime, opened (lazily) on first use.
+    fn conn(&self) -> RedisResult<ConnectionManager> {
+        let id = runtime::Handle::try_current()
+            .map_err(|_| RedisError::from(io::Error::other("no tokio runtime")))?
+            .id();
+        let mut conns = self
+            .pool
+            .by_runtime
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(conn) = conns.get(&id) {
+            return Ok(conn.clone());
+        }
+        let conn = ConnectionManager::new_lazy_with_config(
+            self.pool.client.clone(),
+            self.pool.config.clone(),
+        )?;
+        conns.insert(id, conn.clone());
+        Ok(conn)
+    }
+
     /// One acquire attempt for hold `req.hold` of `req.token` on `req.lock`.
     pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn()?;
         let mut call = scripts::ACQUIRE.key(&req.lock);
         call.key(&req.fence)
             .arg(&req.token)
@@ -89,17 +128,19 @@ impl Backend {
         })
     }
 
-    /// Gives back hold `hold` of `token` on `lock`, keeping the key `keep` longer (min_hold)
-    /// once no hold is left; `false` when the token did not hold the lock.
-    pub(crate) async fn release(
-        &self,
-        lock: &str,
-        token: &str,
-        hold: &str,
-        keep: Duration,
-    ) -> RedisResult<bool> {
-        let mut conn = self.conn.clone();
+    /// Gives back `hold` of `token` on `lock`, keeping the key `keep` longer (min_hold) once
+    /// no hold is left, and publishing on the lock's wake channel when it is free; `false`
+    /// when the token did not hold the lock.
+    pub(crate) async fn release(&self, ids: &HoldIds, keep: Duration) -> RedisResult<bool> {
+        let HoldIds {
+            lock,
+            wake,
+            token,
+            hold,
+        } = ids;
+        let mut conn = self.conn()?;
         let mut call = scripts::RELEASE.key(lock);
+        call.key(wake);
         call.arg(token)
             .arg(hold)
             .arg(u64::try_from(keep.as_millis()).unwrap_or(u64::MAX));
@@ -114,7 +155,7 @@ impl Backend {
         token: &str,
         lease: Duration,
     ) -> RedisResult<bool> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn()?;
         let mut call = scripts::EXTEND.key(lock);
         call.arg(token).arg(millis(lease));
         let extended: i64 = self.bounded(call.invoke_async(&mut conn)).await?;
@@ -123,7 +164,7 @@ impl Backend {
 
     /// Renews every `(lock, token, lease)` still held by its token, in one round trip.
     pub(crate) async fn renew(&self, items: &[(&str, &str, Duration)]) -> RedisResult<Vec<bool>> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn()?;
         let mut call = scripts::RENEW.prepare_invoke();
         for (lock, token, lease) in items {
             call.key(*lock).arg(*token).arg(millis(*lease));
@@ -132,15 +173,24 @@ impl Backend {
         Ok(renewed.into_iter().map(|r| r == 1).collect())
     }
 
+    /// A new pub/sub connection, opened from the current runtime.
+    pub(crate) async fn pubsub(&self) -> RedisResult<redis::aio::PubSub> {
+        bounded(
+            self.pool.connect_timeout,
+            self.pool.client.get_async_pubsub(),
+        )
+        .await
+    }
+
     /// Whether `token` still owns `lock`.
     pub(crate) async fn holds(&self, lock: &str, token: &str) -> RedisResult<bool> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn()?;
         let cmd = redis::cmd("HEXISTS").arg(lock).arg(token).to_owned();
         self.bounded(cmd.query_async(&mut conn)).await
     }
 
     async fn bounded<T>(&self, op: impl Future<Output = RedisResult<T>>) -> RedisResult<T> {
-        bounded(self.response_timeout, op).await
+        bounded(self.pool.response_timeout, op).await
     }
 }
 
@@ -155,11 +205,21 @@ async fn bounded<T>(limit: Duration, op: impl Future<Output = RedisResult<T>>) -
     }
 }
 
+/// What names one hold of a lock, for releasing it.
+#[derive(Debug, Clone)]
+pub(crate) struct HoldIds {
+    pub(crate) lock: String,
+    pub(crate) wake: String,
+    pub(crate) token: String,
+    pub(crate) hold: String,
+}
+
 /// Everything one acquire attempt sends.
 #[derive(Debug, Clone)]
 pub(crate) struct AcquireRequest {
     pub(crate) lock: String,
     pub(crate) fence: String,
+    pub(crate) wake: String,
     pub(crate) token: String,
     pub(crate) hold: String,
     pub(crate) lease: Duration,

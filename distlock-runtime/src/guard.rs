@@ -1,10 +1,13 @@
 //! `LockGuard`: proof of holding a lock, and the way to give it back.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
+use std::task::{Context, Waker};
 use std::time::{Duration, Instant};
 
 use crate::LockError;
+use crate::backend::HoldIds;
 use crate::context::Held;
 use crate::key::Keys;
 use crate::lease::LeaseState;
@@ -128,14 +131,7 @@ impl LockGuard {
                 lease.mark_lost();
                 return self.lost_error();
             }
-            // The timer runs on the manager's runtime, so this works from any executor.
-            let deadline = tokio::time::Instant::from_std(lease.valid_until());
-            let timer = self
-                .parts
-                .manager
-                .inner
-                .driver
-                .run(tokio::time::sleep_until(deadline));
+            let timer = self.parts.manager.inner.sleep_until(lease.valid_until());
             tokio::select! {
                 _ = marked.wait_for(|lost| *lost) => {}
                 _ = timer => {}
@@ -145,12 +141,11 @@ impl LockGuard {
 
     /// Asks Redis whether this owner still holds the lock.
     pub async fn is_held(&self) -> Result<bool, LockError> {
-        let inner = &self.parts.manager.inner;
-        let backend = inner.backend.clone();
         let (lock, token) = (self.parts.keys.lock.clone(), self.parts.token.clone());
-        inner
-            .driver
-            .run(async move { backend.holds(&lock, &token).await })
+        self.parts
+            .manager
+            .inner
+            .exec(move |backend| async move { backend.holds(&lock, &token).await })
             .await?
             .map_err(|e| LockError::redis(self.key(), e))
     }
@@ -164,13 +159,13 @@ impl LockGuard {
                 format!("a lease must be at least 1ms, got {ttl:?}"),
             ));
         }
-        let inner = &self.parts.manager.inner;
-        let backend = inner.backend.clone();
         let (lock, token) = (self.parts.keys.lock.clone(), self.parts.token.clone());
         let sent = Instant::now();
-        let extended = inner
-            .driver
-            .run(async move { backend.extend(&lock, &token, ttl).await })
+        let extended = self
+            .parts
+            .manager
+            .inner
+            .exec(move |backend| async move { backend.extend(&lock, &token, ttl).await })
             .await?
             .map_err(|e| LockError::redis(self.key(), e))?;
         if !extended {
@@ -185,7 +180,8 @@ impl LockGuard {
     ///
     /// [`LockError::Lost`] means the lease had already ended: another owner may have held the
     /// key meanwhile (that owner's lock is left untouched). A release whose reply is lost is
-    /// sent once more; if that second attempt finds the lock gone, it counts as released.
+    /// sent once more; if that second attempt finds the lock gone while the lease was still
+    /// valid, it counts as released.
     /// With `min_hold`, the key stays (owned by nobody) until `min_hold` after the acquisition.
     pub async fn release(mut self) -> Result<(), LockError> {
         self.released = true;
@@ -194,18 +190,18 @@ impl LockGuard {
         let keep = self.keep();
         let mut retried = false;
         loop {
-            let backend = inner.backend.clone();
-            let (lock, token, hold) = self.ids();
+            let ids = self.ids();
             let outcome = inner
-                .driver
-                .run(async move { backend.release(&lock, &token, &hold, keep).await })
+                .exec(move |backend| async move { backend.release(&ids, keep).await })
                 .await?;
             return match outcome {
                 Ok(true) => {
+                    inner.waiters.released(&self.parts.keys.companion("wake"));
                     tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "released");
                     Ok(())
                 }
-                Ok(false) if retried => Ok(()),
+                // The first attempt may have released it before its reply was lost.
+                Ok(false) if retried && !self.parts.lease.is_lost() => Ok(()),
                 Ok(false) => {
                     self.parts.lease.mark_lost();
                     Err(self.lost_error())
@@ -226,9 +222,14 @@ impl LockGuard {
         })
     }
 
-    fn ids(&self) -> (String, String, String) {
+    fn ids(&self) -> HoldIds {
         let p = &self.parts;
-        (p.keys.lock.clone(), p.token.clone(), p.hold.clone())
+        HoldIds {
+            lock: p.keys.lock.clone(),
+            wake: p.keys.companion("wake"),
+            token: p.token.clone(),
+            hold: p.hold.clone(),
+        }
     }
 
     fn lost_error(&self) -> LockError {
@@ -246,8 +247,7 @@ impl Drop for LockGuard {
     fn drop(&mut self) {
         if !self.released {
             self.parts.renewal = None;
-            let (lock, token, hold) = self.ids();
-            release_in_background(&self.parts.manager, lock, token, hold, self.keep());
+            release_in_background(&self.parts.manager, self.ids(), self.keep());
         }
     }
 }
@@ -265,21 +265,36 @@ impl fmt::Debug for LockGuard {
 }
 
 /// Sends a release for one hold without waiting for it; the outcome is only logged.
-pub(crate) fn release_in_background(
-    manager: &LockManager,
-    lock: String,
-    token: String,
-    hold: String,
-    keep: Duration,
-) {
+///
+/// In a tokio runtime, the request is handed to that runtime's connection before this returns,
+/// so it goes out right behind any request of the same owner already on that connection (an
+/// acquire whose caller gave up). Outside any runtime, the manager's own runtime sends it.
+pub(crate) fn release_in_background(manager: &LockManager, ids: HoldIds, keep: Duration) {
     let inner = manager.inner.clone();
-    manager.inner.driver.spawn(async move {
-        match inner.backend.release(&lock, &token, &hold, keep).await {
-            Ok(true) => tracing::debug!(%lock, "released in the background"),
-            Ok(false) => tracing::debug!(%lock, "background release found the lock already gone"),
-            Err(error) => {
-                tracing::warn!(%lock, %error, "background release failed; the lease will expire");
+    let release = async move {
+        match inner.backend.release(&ids, keep).await {
+            Ok(true) => {
+                inner.waiters.released(&ids.wake);
+                tracing::debug!(lock = %ids.lock, "released in the background");
+            }
+            Ok(false) => {
+                tracing::debug!(lock = %ids.lock, "background release found the lock already gone");
+            }
+            Err(error) => tracing::warn!(
+                lock = %ids.lock, %error,
+                "background release failed; the lease will expire"
+            ),
+        }
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            // One poll queues the request on the connection; the task finishes the rest.
+            let mut release = Box::pin(release);
+            let mut cx = Context::from_waker(Waker::noop());
+            if release.as_mut().poll(&mut cx).is_pending() {
+                drop(runtime.spawn(release));
             }
         }
-    });
+        Err(_) => manager.inner.driver.spawn(release),
+    }
 }

@@ -34,6 +34,7 @@ mod lock;
 mod manager;
 mod retry;
 mod scripts;
+mod waiters;
 mod watchdog;
 
 #[cfg(feature = "test-util")]

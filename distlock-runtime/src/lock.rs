@@ -7,13 +7,14 @@ use std::time::{Duration, Instant};
 use tracing::Instrument;
 
 use crate::LockError;
-use crate::backend::{AcquireRequest, Attempt};
+use crate::backend::{AcquireRequest, Attempt, HoldIds};
 use crate::context::{self, Held};
 use crate::guard::{Acquired, LockGuard, Parts};
 use crate::key::Keys;
 use crate::lease::LeaseState;
 use crate::manager::LockManager;
 use crate::retry::Backoff;
+use crate::waiters::Ticket;
 
 /// A request for one lock, built by [`LockManager::lock`]; send it with
 /// [`acquire`](Self::acquire) or [`try_acquire`](Self::try_acquire).
@@ -251,6 +252,7 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
     let request = AcquireRequest {
         lock: plan.keys.lock.clone(),
         fence: plan.keys.companion("fence"),
+        wake: plan.keys.companion("wake"),
         token,
         hold,
         lease: plan.ttl,
@@ -264,16 +266,41 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
         request: &request,
         maybe_held: false,
     };
+    let give_up = |attempts, failure: Option<redis::RedisError>| match failure {
+        // The last word decides: a failure to reach Redis is not reported as "busy".
+        Some(error) => LockError::redis(&plan.keys.name, error),
+        None => LockError::Busy {
+            key: plan.keys.name.clone(),
+            attempts,
+            waited: started.elapsed(),
+        },
+    };
+    // A request that may wait queues behind local waiters instead of overtaking them.
+    let mut ticket = (plan.retries > 0 && inner.waiters.has_waiters(&request.wake)).then(|| {
+        inner
+            .waiters
+            .join(&request.wake, &inner.backend, &inner.driver)
+    });
     let mut attempts = 0u32;
     loop {
+        if let Some(ticket) = &ticket {
+            let head = ticket.until_head();
+            match deadline {
+                Some(deadline) => tokio::select! {
+                    () = head => {}
+                    _ = inner.sleep_until(deadline) => return Err(give_up(attempts, None)),
+                },
+                None => head.await,
+            }
+            ticket.subscribe().await;
+        }
+        let seen = ticket.as_ref().map(Ticket::wakes);
         attempts += 1;
         let sent = Instant::now();
         in_flight.maybe_held = true;
-        let backend = inner.backend.clone();
         let attempt = request.clone();
         let outcome = inner
-            .driver
-            .run(async move { backend.acquire(&attempt).await })
+            .exec(move |backend| async move { backend.acquire(&attempt).await })
             .await?;
         let (holder_ttl, failure) = match outcome {
             Ok(Attempt::Held { fence }) => {
@@ -306,23 +333,31 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
             }
             Err(error) => return Err(LockError::redis(&plan.keys.name, error)),
         };
-        let mut delay = plan.backoff.delay(attempts, holder_ttl);
-        let left = deadline.map(|deadline| deadline.saturating_duration_since(Instant::now()));
-        if attempts > plan.retries || left == Some(Duration::ZERO) {
-            // The last word decides: a failure to reach Redis is not reported as "busy".
-            return Err(match failure {
-                Some(error) => LockError::redis(&plan.keys.name, error),
-                None => LockError::Busy {
-                    key: plan.keys.name.clone(),
-                    attempts,
-                    waited: started.elapsed(),
-                },
-            });
+        let now = Instant::now();
+        if attempts > plan.retries || deadline.is_some_and(|d| d <= now) {
+            return Err(give_up(attempts, failure));
         }
-        if let Some(left) = left {
-            delay = delay.min(left);
+        let Some(waiting) = &ticket else {
+            // First time busy: queue up and follow the wake channel, then look again at once
+            // (a release between the busy answer and the subscription publishes unheard).
+            ticket = Some(
+                inner
+                    .waiters
+                    .join(&request.wake, &inner.backend, &inner.driver),
+            );
+            continue;
+        };
+        // Wait for a release, or for the fallback timer (backoff with full jitter, capped by
+        // the holder's lease) that catches an expiry or a missed announcement.
+        let mut until = now + plan.backoff.delay(attempts, holder_ttl);
+        if let Some(deadline) = deadline {
+            until = until.min(deadline);
         }
-        inner.driver.run(tokio::time::sleep(delay)).await?;
+        let seen = seen.unwrap_or_default();
+        tokio::select! {
+            () = waiting.woken_since(seen) => {}
+            _ = inner.sleep_until(until) => {}
+        }
     }
 }
 
@@ -395,13 +430,13 @@ impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         if self.maybe_held {
             let r = self.request;
-            crate::guard::release_in_background(
-                self.manager,
-                r.lock.clone(),
-                r.token.clone(),
-                r.hold.clone(),
-                Duration::ZERO,
-            );
+            let ids = HoldIds {
+                lock: r.lock.clone(),
+                wake: r.wake.clone(),
+                token: r.token.clone(),
+                hold: r.hold.clone(),
+            };
+            crate::guard::release_in_background(self.manager, ids, Duration::ZERO);
         }
     }
 }

@@ -10,6 +10,7 @@ use crate::backend::{Backend, ConnectOptions};
 use crate::driver::Driver;
 use crate::key;
 use crate::lock::LockRequest;
+use crate::waiters::Waiters;
 use crate::watchdog::Watchdog;
 
 static INSTALLED: OnceLock<LockManager> = OnceLock::new();
@@ -50,8 +51,9 @@ pub struct LockManager {
 
 pub(crate) struct Inner {
     pub(crate) backend: Backend,
-    pub(crate) driver: Driver,
+    pub(crate) driver: Arc<Driver>,
     pub(crate) watchdog: Watchdog,
+    pub(crate) waiters: Waiters,
     pub(crate) prefix: String,
     pub(crate) defaults: Defaults,
     target: String,
@@ -77,6 +79,8 @@ pub struct Stats {
     pub leases_renewed: u64,
     /// Leases the watchdog found lost (gone or taken by another owner).
     pub leases_lost: u64,
+    /// Keys that have local waiters right now (each with a pub/sub subscription).
+    pub waiting_keys: usize,
 }
 
 impl LockManager {
@@ -122,11 +126,41 @@ impl LockManager {
             renewal_round_trips: counters.round_trips.load(Ordering::Relaxed),
             leases_renewed: counters.renewed.load(Ordering::Relaxed),
             leases_lost: counters.lost.load(Ordering::Relaxed),
+            waiting_keys: self.inner.waiters.waiting_keys(),
         }
     }
 
     pub(crate) fn defaults(&self) -> &Defaults {
         &self.inner.defaults
+    }
+}
+
+impl Inner {
+    /// Runs a Redis operation on the caller's runtime, or on the manager's own runtime when
+    /// the caller is not in one.
+    pub(crate) async fn exec<T, F, Fut>(&self, op: F) -> Result<T, LockError>
+    where
+        F: FnOnce(Backend) -> Fut,
+        Fut: Future<Output = T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let backend = self.backend.clone();
+        if tokio::runtime::Handle::try_current().is_ok() {
+            Ok(op(backend).await)
+        } else {
+            self.driver.run(op(backend)).await
+        }
+    }
+
+    /// Sleeps on the caller's runtime timer, or on the manager's own runtime.
+    pub(crate) async fn sleep_until(&self, deadline: std::time::Instant) -> Result<(), LockError> {
+        let deadline = tokio::time::Instant::from_std(deadline);
+        if tokio::runtime::Handle::try_current().is_ok() {
+            tokio::time::sleep_until(deadline).await;
+            Ok(())
+        } else {
+            self.driver.run(tokio::time::sleep_until(deadline)).await
+        }
     }
 }
 
@@ -255,16 +289,23 @@ impl LockManagerBuilder {
             connect_timeout: self.connect_timeout,
             response_timeout: self.response_timeout,
         };
-        let backend = driver
-            .run(async move { Backend::connect(&url, options).await })
-            .await?
-            .map_err(|e| LockError::Config(format!("cannot connect to {target}: {e}")))?;
+        // Connect from the caller's runtime, which is where its requests will come from.
+        let connected = if tokio::runtime::Handle::try_current().is_ok() {
+            Backend::connect(&url, options).await
+        } else {
+            driver
+                .run(async move { Backend::connect(&url, options).await })
+                .await?
+        };
+        let backend =
+            connected.map_err(|e| LockError::Config(format!("cannot connect to {target}: {e}")))?;
         tracing::debug!(target = %target, prefix = %self.prefix, "lock manager connected");
         Ok(LockManager {
             inner: Arc::new(Inner {
                 backend,
-                driver,
+                driver: Arc::new(driver),
                 watchdog: Watchdog::default(),
+                waiters: Waiters::default(),
                 prefix: self.prefix,
                 defaults: self.defaults,
                 target,

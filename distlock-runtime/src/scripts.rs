@@ -63,7 +63,7 @@ mod tests {
 
     async fn release(conn: &mut MultiplexedConnection, lock: &str, token: &str, hold: &str) -> i64 {
         let mut call = RELEASE.key(lock);
-        call.arg(token).arg(hold).arg(0);
+        call.key(format!("{lock}:wake")).arg(token).arg(hold).arg(0);
         call.invoke_async(conn).await.unwrap()
     }
 
@@ -179,7 +179,7 @@ mod tests {
         let lock = "l{min}";
         acquire(&mut conn, lock, "a", "a", false, false).await;
         let mut call = RELEASE.key(lock);
-        call.arg("a").arg("a").arg(5_000);
+        call.key("l{min}:wake").arg("a").arg("a").arg(5_000);
         let released: i64 = call.invoke_async(&mut conn).await.unwrap();
         assert_eq!(released, 1);
         let pttl: i64 = conn.pttl(lock).await.unwrap();

@@ -1,7 +1,7 @@
 -- Take an exclusive lock, or re-enter one that this owner already holds.
 --
--- KEYS[1]  the lock: a hash {owner token -> hold count, "h:<hold id>" -> 1 per hold,
---          "fence" -> the current owner's fencing token}
+-- KEYS[1]  the lock: a hash {owner token -> hold count, "fence" -> the owner's fencing token,
+--          and, once a hold is nested, "h:<hold id>" -> 1 for every hold}
 -- KEYS[2]  the lock's fencing counter (same hash tag; touched only when ARGV[3] == "1")
 -- ARGV[1]  owner token
 -- ARGV[2]  lease in milliseconds
@@ -14,41 +14,40 @@
 -- Idempotent per hold id: a request resent after a lost reply finds its own hold and
 -- succeeds again without counting twice or drawing a second fencing token.
 
-local lock, token, lease, hold = KEYS[1], ARGV[1], tonumber(ARGV[2]), 'h:' .. ARGV[4]
+local lock, token, lease, hold = KEYS[1], ARGV[1], tonumber(ARGV[2]), ARGV[4]
 
-local function fence()
-  return tonumber(redis.call('hget', lock, 'fence') or '0')
+if redis.call('exists', lock) == 0 then
+  local fence = 0
+  if ARGV[3] == '1' then
+    fence = redis.call('incr', KEYS[2])
+    redis.call('hset', lock, token, 1, 'fence', fence)
+  else
+    redis.call('hset', lock, token, 1)
+  end
+  redis.call('pexpire', lock, lease)
+  return {1, fence}
 end
 
--- Never shorten a lease that an outer hold of the same owner asked for.
-local function lengthen()
+local function held()
+  -- Never shorten a lease that an outer hold of the same owner asked for.
   if redis.call('pttl', lock) < lease then
     redis.call('pexpire', lock, lease)
   end
+  return {1, tonumber(redis.call('hget', lock, 'fence') or '0')}
 end
 
-if redis.call('hexists', lock, hold) == 1 then
-  lengthen()
-  return {1, fence()}
-end
-
-if redis.call('exists', lock) == 0 then
-  local drawn = 0
-  if ARGV[3] == '1' then
-    drawn = redis.call('incr', KEYS[2])
-    redis.call('hset', lock, token, 1, hold, 1, 'fence', drawn)
-  else
-    redis.call('hset', lock, token, 1, hold, 1)
+if hold == token then
+  -- A first hold: resent if the token already holds the lock.
+  if redis.call('hexists', lock, token) == 1 then
+    return held()
   end
-  redis.call('pexpire', lock, lease)
-  return {1, drawn}
-end
-
-if ARGV[5] == '1' and redis.call('hexists', lock, token) == 1 then
+elseif redis.call('hexists', lock, 'h:' .. hold) == 1 then
+  return held()
+elseif ARGV[5] == '1' and redis.call('hexists', lock, token) == 1 then
+  -- Nesting starts: from now on every hold has a marker, the first one included.
   redis.call('hincrby', lock, token, 1)
-  redis.call('hset', lock, hold, 1)
-  lengthen()
-  return {1, fence()}
+  redis.call('hset', lock, 'h:' .. hold, 1, 'h:' .. token, 1)
+  return held()
 end
 
 return {0, redis.call('pttl', lock)}

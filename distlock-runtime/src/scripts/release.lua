@@ -1,6 +1,7 @@
 -- Give back one hold of an exclusive lock, only if the caller still owns it.
 --
 -- KEYS[1]  the lock hash
+-- KEYS[2]  the lock's wake channel (same hash tag): told when the lock becomes free
 -- ARGV[1]  owner token
 -- ARGV[2]  hold id
 -- ARGV[3]  milliseconds the key must still live after the last hold ends (min_hold);
@@ -12,15 +13,22 @@
 -- Idempotent per hold id: a resent release of a hold already given back, while the owner
 -- still holds the lock through other holds, succeeds without counting twice.
 
-local lock, token, hold = KEYS[1], ARGV[1], 'h:' .. ARGV[2]
+local lock, token, hold = KEYS[1], ARGV[1], ARGV[2]
 
-if redis.call('hexists', lock, hold) == 0 then
-  return redis.call('hexists', lock, token)
+local count = tonumber(redis.call('hget', lock, token) or '0')
+if count == 0 then
+  return 0
 end
 
-redis.call('hdel', lock, hold)
-if redis.call('hincrby', lock, token, -1) > 0 then
-  return 1
+if count > 1 or hold ~= token then
+  -- Nested holds carry markers: give back this one, once.
+  if redis.call('hdel', lock, 'h:' .. hold) == 0 then
+    return 1
+  end
+  count = redis.call('hincrby', lock, token, -1)
+  if count > 0 then
+    return 1
+  end
 end
 
 local keep = tonumber(ARGV[3])
@@ -31,5 +39,6 @@ if keep > 0 then
   redis.call('pexpire', lock, keep)
 else
   redis.call('del', lock)
+  redis.call('publish', KEYS[2], '')
 end
 return 1
