@@ -1,0 +1,218 @@
+//! Waiting for a busy lock: waiters are woken by the release itself, an expiry is still
+//! caught by the fallback timer, and nothing is left behind once waiting ends.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use distlock::LockError;
+use distlock::testing::RedisServer;
+use support::{keys, manager, raw, shared_server, unique_prefix};
+
+/// Far longer than any test: a waiter that sleeps this long was not woken.
+const NEVER: Duration = Duration::from_secs(24 * 3600);
+
+/// Channels the server has subscribers for, under `prefix`.
+fn channels(server: &RedisServer, prefix: &str) -> Vec<String> {
+    let reply = server
+        .command(&["PUBSUB", "CHANNELS", &format!("{prefix}*")])
+        .unwrap();
+    reply
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The unsubscribe of a key nobody waits for any more is sent in the background; give it a
+/// bounded time to reach the server.
+async fn no_channels_left(server: &RedisServer, prefix: &str) -> bool {
+    for _ in 0..200 {
+        if channels(server, prefix).is_empty() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    false
+}
+
+async fn subscribed(server: &RedisServer, channel: &str) {
+    while channels(server, channel).is_empty() {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test]
+async fn a_release_wakes_the_waiter_long_before_its_fallback_timer() {
+    let server = shared_server();
+    let prefix = unique_prefix("wake");
+    let holder = manager(&server, &prefix).await;
+    let waiter = manager(&server, &prefix).await;
+    let held = holder.lock("k").ttl(NEVER).acquire().await.unwrap();
+
+    let waiting = tokio::spawn(async move {
+        // Its fallback timer would fire at a random point of a day: only a wake-up is fast.
+        waiter
+            .lock("k")
+            .retry_delay(NEVER)
+            .retries(5)
+            .acquire()
+            .await
+    });
+    subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    held.release().await.unwrap();
+    let guard = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("woken by the release")
+        .unwrap()
+        .unwrap();
+    assert!(
+        guard.attempts() >= 2,
+        "it waited: {} attempts",
+        guard.attempts()
+    );
+    assert!(guard.waited() < Duration::from_secs(10));
+    guard.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_expired_lock_is_taken_over_by_the_fallback_timer() {
+    let server = shared_server();
+    let prefix = unique_prefix("expiry");
+    let holder = manager(&server, &prefix).await;
+    let waiter = manager(&server, &prefix).await;
+    // A holder that dies without releasing: nothing is published when its lease runs out.
+    std::mem::forget(
+        holder
+            .lock("k")
+            .ttl(Duration::from_millis(300))
+            .acquire()
+            .await
+            .unwrap(),
+    );
+    let guard = tokio::time::timeout(
+        Duration::from_secs(10),
+        waiter.lock("k").retry_delay(NEVER).retries(5).acquire(),
+    )
+    .await
+    .expect("the fallback is capped by the holder's lease")
+    .unwrap();
+    guard.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn nothing_is_left_after_waiters_time_out_are_cancelled_or_succeed() {
+    let server = shared_server();
+    let prefix = unique_prefix("leftovers");
+    let holder = manager(&server, &prefix).await;
+    let locks = manager(&server, &prefix).await;
+    let held = holder.lock("k").ttl(NEVER).acquire().await.unwrap();
+
+    // Timed out.
+    let outcome = locks
+        .lock("k")
+        .wait(Duration::from_millis(100))
+        .acquire()
+        .await;
+    assert!(
+        matches!(outcome, Err(LockError::Busy { .. })),
+        "{outcome:?}"
+    );
+    // Cancelled.
+    let cancelled = tokio::time::timeout(
+        Duration::from_millis(100),
+        locks.lock("k").retries(100).acquire(),
+    )
+    .await;
+    assert!(cancelled.is_err());
+    assert_eq!(locks.stats().waiting_keys, 0);
+    // Succeeded, several waiters at once.
+    let mut waiting = Vec::new();
+    for _ in 0..5 {
+        let locks = locks.clone();
+        waiting.push(tokio::spawn(async move {
+            let guard = locks
+                .lock("k")
+                .retries(100)
+                .retry_delay(NEVER)
+                .acquire()
+                .await?;
+            guard.release().await
+        }));
+    }
+    subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    held.release().await.unwrap();
+    for waiter in waiting {
+        waiter.await.unwrap().unwrap();
+    }
+    assert_eq!(locks.stats().waiting_keys, 0);
+    assert!(
+        no_channels_left(&server, &prefix).await,
+        "{:?}",
+        channels(&server, &prefix)
+    );
+    assert!(keys(&server, &prefix).is_empty());
+}
+
+/// Tasks on three managers take one key in turn through the wake-up path; a history of entries
+/// and exits shows no overlap, and waiting leaves nothing behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusion_holds_on_the_wake_up_path() {
+    let server = RedisServer::start().unwrap();
+    let prefix = "history:";
+    let inside = Arc::new(AtomicBool::new(false));
+    let entries = Arc::new(AtomicU64::new(0));
+    let history = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut managers = Vec::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..3 {
+        let locks = manager(&server, prefix).await;
+        managers.push(locks.clone());
+        for task in 0..8u32 {
+            let (locks, inside, entries, history) = (
+                locks.clone(),
+                inside.clone(),
+                entries.clone(),
+                history.clone(),
+            );
+            tasks.spawn(async move {
+                for _ in 0..25 {
+                    let guard = locks
+                        .lock("hot")
+                        .wait(Duration::from_secs(30))
+                        .acquire()
+                        .await
+                        .unwrap();
+                    assert!(!inside.swap(true, Ordering::SeqCst), "two holders inside");
+                    history.lock().unwrap().push((task, true));
+                    entries.fetch_add(1, Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    history.lock().unwrap().push((task, false));
+                    inside.store(false, Ordering::SeqCst);
+                    guard.release().await.unwrap();
+                }
+            });
+        }
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    assert_eq!(entries.load(Ordering::SeqCst), 600);
+    let history = std::mem::take(&mut *history.lock().unwrap());
+    assert!(
+        history
+            .chunks(2)
+            .all(|pair| pair[0].0 == pair[1].0 && pair[0].1 && !pair[1].1)
+    );
+    assert!(managers.iter().all(|m| m.stats().waiting_keys == 0));
+    assert!(no_channels_left(&server, prefix).await);
+    let mut conn = raw(&server).await;
+    let left: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(left.is_empty(), "{left:?}");
+}
