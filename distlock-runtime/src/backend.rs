@@ -109,13 +109,53 @@ impl Backend {
     /// One acquire attempt for hold `req.hold` of `req.token` on `req.lock`.
     pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
         let mut conn = self.conn()?;
-        let mut call = scripts::ACQUIRE.key(&req.lock);
-        call.key(&req.fence)
-            .arg(&req.token)
-            .arg(millis(req.lease))
-            .arg(flag(req.fencing))
-            .arg(&req.hold)
-            .arg(flag(req.reentrant));
+        let lease = millis(req.lease);
+        let call = match &req.shape {
+            Shape::Exclusive => {
+                let mut call = scripts::ACQUIRE.key(&req.lock);
+                call.key(&req.fence)
+                    .arg(&req.token)
+                    .arg(lease)
+                    .arg(flag(req.fencing))
+                    .arg(&req.hold)
+                    .arg(flag(req.reentrant));
+                call
+            }
+            Shape::Write {
+                intent,
+                intent_lease,
+            } => {
+                let mut call = scripts::WRITE_ACQUIRE.key(&req.lock);
+                call.key(&req.fence)
+                    .key(intent)
+                    .arg(&req.token)
+                    .arg(lease)
+                    .arg(flag(req.fencing))
+                    .arg(&req.hold)
+                    .arg(flag(req.reentrant))
+                    .arg(millis(*intent_lease));
+                call
+            }
+            Shape::Share {
+                share,
+                intent,
+                permits,
+            } => {
+                let mut call = scripts::SHARE_ACQUIRE.key(&req.lock);
+                call.key(share)
+                    .key(intent)
+                    .key(&req.fence)
+                    .arg(&req.token)
+                    .arg(lease)
+                    .arg(&req.hold);
+                match permits {
+                    Some(permits) => call.arg(*permits),
+                    None => call.arg("read"),
+                };
+                call.arg(flag(req.fencing));
+                call
+            }
+        };
         let (held, value): (i64, i64) = self.bounded(call.invoke_async(&mut conn)).await?;
         Ok(if held == 1 {
             Attempt::Held {
@@ -137,37 +177,56 @@ impl Backend {
             wake,
             token,
             hold,
+            share,
         } = ids;
         let mut conn = self.conn()?;
-        let mut call = scripts::RELEASE.key(lock);
-        call.key(wake);
-        call.arg(token)
-            .arg(hold)
-            .arg(u64::try_from(keep.as_millis()).unwrap_or(u64::MAX));
+        let call = match share {
+            Some(share) => {
+                let mut call = scripts::SHARE_RELEASE.key(lock);
+                call.key(share).key(wake).arg(token).arg(hold);
+                call
+            }
+            None => {
+                let mut call = scripts::RELEASE.key(lock);
+                call.key(wake)
+                    .arg(token)
+                    .arg(hold)
+                    .arg(u64::try_from(keep.as_millis()).unwrap_or(u64::MAX));
+                call
+            }
+        };
         let released: i64 = self.bounded(call.invoke_async(&mut conn)).await?;
         Ok(released == 1)
     }
 
-    /// Sets the lease of `lock` if `token` owns it; `false` when it did not.
+    /// Sets the lease of `lock` (and of the share, for shares) if `token` owns it; `false`
+    /// when it did not.
     pub(crate) async fn extend(
         &self,
         lock: &str,
+        share: Option<&str>,
         token: &str,
         lease: Duration,
     ) -> RedisResult<bool> {
         let mut conn = self.conn()?;
         let mut call = scripts::EXTEND.key(lock);
+        if let Some(share) = share {
+            call.key(share);
+        }
         call.arg(token).arg(millis(lease));
         let extended: i64 = self.bounded(call.invoke_async(&mut conn)).await?;
         Ok(extended == 1)
     }
 
-    /// Renews every `(lock, token, lease)` still held by its token, in one round trip.
-    pub(crate) async fn renew(&self, items: &[(&str, &str, Duration)]) -> RedisResult<Vec<bool>> {
+    /// Renews every `(lock, share, token, lease)` still held by its token, in one round trip.
+    pub(crate) async fn renew(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<bool>> {
         let mut conn = self.conn()?;
         let mut call = scripts::RENEW.prepare_invoke();
-        for (lock, token, lease) in items {
-            call.key(*lock).arg(*token).arg(millis(*lease));
+        for item in items {
+            call.key(item.lock)
+                .key(item.share.unwrap_or(item.lock))
+                .arg(item.token)
+                .arg(millis(item.lease));
         }
         let renewed: Vec<i64> = self.bounded(call.invoke_async(&mut conn)).await?;
         Ok(renewed.into_iter().map(|r| r == 1).collect())
@@ -182,10 +241,18 @@ impl Backend {
         .await
     }
 
-    /// Whether `token` still owns `lock`.
-    pub(crate) async fn holds(&self, lock: &str, token: &str) -> RedisResult<bool> {
+    /// Whether `token` still owns `lock` (for a share: whether the share's lease lives).
+    pub(crate) async fn holds(
+        &self,
+        lock: &str,
+        share: Option<&str>,
+        token: &str,
+    ) -> RedisResult<bool> {
         let mut conn = self.conn()?;
-        let cmd = redis::cmd("HEXISTS").arg(lock).arg(token).to_owned();
+        let cmd = match share {
+            Some(share) => redis::cmd("EXISTS").arg(share).to_owned(),
+            None => redis::cmd("HEXISTS").arg(lock).arg(token).to_owned(),
+        };
         self.bounded(cmd.query_async(&mut conn)).await
     }
 
@@ -212,11 +279,38 @@ pub(crate) struct HoldIds {
     pub(crate) wake: String,
     pub(crate) token: String,
     pub(crate) hold: String,
+    /// The share's lease key, for read locks and permits.
+    pub(crate) share: Option<String>,
+}
+
+/// One lease in a watchdog batch.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Renewal<'a> {
+    pub(crate) lock: &'a str,
+    pub(crate) share: Option<&'a str>,
+    pub(crate) token: &'a str,
+    pub(crate) lease: Duration,
+}
+
+/// Which script an acquire attempt runs, with what it needs beyond the common fields.
+#[derive(Debug, Clone)]
+pub(crate) enum Shape {
+    Exclusive,
+    Write {
+        intent: String,
+        intent_lease: Duration,
+    },
+    Share {
+        share: String,
+        intent: String,
+        permits: Option<u32>,
+    },
 }
 
 /// Everything one acquire attempt sends.
 #[derive(Debug, Clone)]
 pub(crate) struct AcquireRequest {
+    pub(crate) shape: Shape,
     pub(crate) lock: String,
     pub(crate) fence: String,
     pub(crate) wake: String,

@@ -23,6 +23,18 @@ pub(crate) struct Held {
     pub(crate) lock: String,
     pub(crate) token: String,
     pub(crate) reentrant: bool,
+    pub(crate) kind: Kind,
+}
+
+/// What sort of hold a context entry is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// An exclusive lock, or the write side of a read-write lock.
+    Exclusive,
+    /// The read side of a read-write lock.
+    Read,
+    /// A semaphore permit.
+    Permit,
 }
 
 /// The lock `lock` of `manager` held in the current context, if any.

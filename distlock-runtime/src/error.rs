@@ -44,6 +44,18 @@ pub enum LockError {
         key: String,
     },
 
+    /// The current task holds a read lock on this key and asked for the write lock: waiting
+    /// would wait for its own read lock. Release the read lock first.
+    #[error(
+        "lock `{key}`: this task holds the read lock and asked for the write lock; \
+         upgrading would deadlock, so release the read lock first"
+    )]
+    #[non_exhaustive]
+    Upgrade {
+        /// The key as the caller named it.
+        key: String,
+    },
+
     /// Redis could not be reached or answered with an error.
     #[error("redis error on lock `{key}`: {source}")]
     #[non_exhaustive]
@@ -102,6 +114,7 @@ impl LockError {
             Self::Busy { key, .. }
             | Self::Lost { key }
             | Self::WouldDeadlock { key }
+            | Self::Upgrade { key }
             | Self::Redis { key, .. } => Some(key),
             _ => None,
         }

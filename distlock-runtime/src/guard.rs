@@ -30,6 +30,7 @@ pub(crate) struct Parts {
     pub(crate) keys: Keys,
     pub(crate) token: String,
     pub(crate) hold: String,
+    pub(crate) share: Option<String>,
     pub(crate) fence: Option<u64>,
     pub(crate) lease: Arc<LeaseState>,
     pub(crate) acquired: Acquired,
@@ -142,10 +143,13 @@ impl LockGuard {
     /// Asks Redis whether this owner still holds the lock.
     pub async fn is_held(&self) -> Result<bool, LockError> {
         let (lock, token) = (self.parts.keys.lock.clone(), self.parts.token.clone());
+        let share = self.parts.share.clone();
         self.parts
             .manager
             .inner
-            .exec(move |backend| async move { backend.holds(&lock, &token).await })
+            .exec(
+                move |backend| async move { backend.holds(&lock, share.as_deref(), &token).await },
+            )
             .await?
             .map_err(|e| LockError::redis(self.key(), e))
     }
@@ -160,12 +164,15 @@ impl LockGuard {
             ));
         }
         let (lock, token) = (self.parts.keys.lock.clone(), self.parts.token.clone());
+        let share = self.parts.share.clone();
         let sent = Instant::now();
         let extended = self
             .parts
             .manager
             .inner
-            .exec(move |backend| async move { backend.extend(&lock, &token, ttl).await })
+            .exec(move |backend| async move {
+                backend.extend(&lock, share.as_deref(), &token, ttl).await
+            })
             .await?
             .map_err(|e| LockError::redis(self.key(), e))?;
         if !extended {
@@ -229,6 +236,7 @@ impl LockGuard {
             wake: p.keys.companion("wake"),
             token: p.token.clone(),
             hold: p.hold.clone(),
+            share: p.share.clone(),
         }
     }
 

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use tracing::Instrument;
 
 use crate::LockError;
-use crate::backend::{AcquireRequest, Attempt, HoldIds};
-use crate::context::{self, Held};
+use crate::backend::{AcquireRequest, Attempt, HoldIds, Shape};
+use crate::context::{self, Held, Kind};
 use crate::guard::{Acquired, LockGuard, Parts};
 use crate::key::Keys;
 use crate::lease::LeaseState;
@@ -24,6 +24,7 @@ use crate::waiters::Ticket;
 #[must_use = "a lock request does nothing until `acquire().await` or `try_acquire().await`"]
 pub struct LockRequest<'m> {
     manager: &'m LockManager,
+    kind: RequestKind,
     key: String,
     template: Option<&'static str>,
     ttl: Option<Duration>,
@@ -40,6 +41,7 @@ pub struct LockRequest<'m> {
 impl fmt::Debug for LockRequest<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockRequest")
+            .field("kind", &self.kind)
             .field("key", &self.key)
             .field("ttl", &self.ttl)
             .field("retries", &self.retries)
@@ -54,9 +56,19 @@ impl fmt::Debug for LockRequest<'_> {
     }
 }
 
+/// Which kind of lock a request is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RequestKind {
+    Exclusive,
+    Read,
+    Write,
+    Permits(u32),
+}
+
 /// A request with every option resolved and checked.
 #[derive(Debug)]
 struct Plan {
+    kind: RequestKind,
     keys: Keys,
     template: &'static str,
     ttl: Duration,
@@ -71,9 +83,10 @@ struct Plan {
 }
 
 impl<'m> LockRequest<'m> {
-    pub(crate) fn new(manager: &'m LockManager, key: String) -> Self {
+    pub(crate) fn new(manager: &'m LockManager, kind: RequestKind, key: String) -> Self {
         Self {
             manager,
+            kind,
             key,
             template: None,
             ttl: None,
@@ -201,6 +214,20 @@ impl<'m> LockRequest<'m> {
                 ),
             ));
         }
+        if self.kind == RequestKind::Permits(0) {
+            return Err(LockError::invalid(
+                "permits",
+                format!("semaphore `{}` needs at least one permit", keys.name),
+            ));
+        }
+        if self.min_hold.is_some()
+            && matches!(self.kind, RequestKind::Read | RequestKind::Permits(_))
+        {
+            return Err(LockError::invalid(
+                "min_hold",
+                "`min_hold` applies to exclusive and write locks, not to read locks or permits",
+            ));
+        }
         for (what, value) in [("max_hold", self.max_hold), ("min_hold", self.min_hold)] {
             if value.is_some_and(|v| v.is_zero()) {
                 return Err(LockError::invalid(
@@ -218,6 +245,7 @@ impl<'m> LockRequest<'m> {
             (None, None) => defaults.retries,
         };
         Ok(Plan {
+            kind: self.kind,
             keys,
             template: self.template.unwrap_or("<manual>"),
             ttl,
@@ -237,19 +265,57 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
     let inner = &manager.inner;
     let manager_id = Arc::as_ptr(inner) as usize;
     let outer = context::find(manager_id, &plan.keys.lock);
-    let (token, hold) = match &outer {
-        Some(held) if held.reentrant && plan.reentrant => (held.token.clone(), new_token()),
-        Some(_) => {
-            return Err(LockError::WouldDeadlock {
-                key: plan.keys.name.clone(),
-            });
-        }
-        None => {
-            let token = new_token();
-            (token.clone(), token)
-        }
+    let busy_self = |upgrade: bool| {
+        let key = plan.keys.name.clone();
+        Err(if upgrade {
+            LockError::Upgrade { key }
+        } else {
+            LockError::WouldDeadlock { key }
+        })
     };
+    // Who holds what: a fresh owner, a nested hold of this task's own lock, or a mistake.
+    let (token, hold, shape, kind, reentrant) = match (plan.kind, outer.as_deref()) {
+        (kind, None) => {
+            let token = new_token();
+            let (shape, kind) = shape_of(kind, &plan, &token);
+            (token.clone(), token, shape, kind, plan.reentrant)
+        }
+        (RequestKind::Exclusive | RequestKind::Write, Some(held)) => match held.kind {
+            Kind::Exclusive if held.reentrant && plan.reentrant => {
+                let (shape, kind) = shape_of(plan.kind, &plan, &held.token);
+                (held.token.clone(), new_token(), shape, kind, true)
+            }
+            Kind::Read if plan.kind == RequestKind::Write => return busy_self(true),
+            _ => return busy_self(false),
+        },
+        (RequestKind::Read, Some(held)) => match held.kind {
+            // Downgrade: the writer takes the read side as a nested hold of its write lock.
+            Kind::Exclusive => (
+                held.token.clone(),
+                new_token(),
+                Shape::Exclusive,
+                Kind::Exclusive,
+                true,
+            ),
+            // Another read hold of the same share.
+            Kind::Read => {
+                let (shape, kind) = shape_of(plan.kind, &plan, &held.token);
+                (held.token.clone(), new_token(), shape, kind, plan.reentrant)
+            }
+            Kind::Permit => return busy_self(false),
+        },
+        // Another permit is an independent holder; anything else on the key would wait for
+        // this task's own lock.
+        (RequestKind::Permits(_), Some(held)) if held.kind == Kind::Permit => {
+            let token = new_token();
+            let (shape, kind) = shape_of(plan.kind, &plan, &token);
+            (token.clone(), token, shape, kind, plan.reentrant)
+        }
+        (RequestKind::Permits(_), Some(_)) => return busy_self(false),
+    };
+    let nested = outer.is_some() && token != hold;
     let request = AcquireRequest {
+        shape,
         lock: plan.keys.lock.clone(),
         fence: plan.keys.companion("fence"),
         wake: plan.keys.companion("wake"),
@@ -257,7 +323,7 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
         hold,
         lease: plan.ttl,
         fencing: plan.fencing,
-        reentrant: plan.reentrant,
+        reentrant,
     };
     let started = Instant::now();
     let deadline = plan.wait.map(|wait| started + wait);
@@ -312,14 +378,7 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
                     sent,
                 };
                 tracing::debug!(attempts, waited = ?acquired.waited, "acquired");
-                return Ok(grant(
-                    manager,
-                    plan,
-                    request,
-                    fence,
-                    acquired,
-                    outer.is_some(),
-                ));
+                return Ok(grant(manager, plan, request, kind, fence, acquired, nested));
             }
             Ok(Attempt::Busy { holder_ttl }) => {
                 in_flight.maybe_held = false;
@@ -367,16 +426,22 @@ fn grant(
     manager: &LockManager,
     plan: Plan,
     request: AcquireRequest,
+    kind: Kind,
     fence: u64,
     acquired: Acquired,
     nested: bool,
 ) -> LockGuard {
     let inner = &manager.inner;
     let lease = Arc::new(LeaseState::new(acquired.sent, plan.ttl));
+    let share = match &request.shape {
+        Shape::Share { share, .. } => Some(share.clone()),
+        Shape::Exclusive | Shape::Write { .. } => None,
+    };
     let renewal = plan.watchdog.then(|| {
         inner.watchdog.register(
             inner,
             request.lock.clone(),
+            share.clone(),
             request.token.clone(),
             lease.clone(),
             acquired.sent,
@@ -388,6 +453,7 @@ fn grant(
         lock: request.lock,
         token: request.token.clone(),
         reentrant: plan.reentrant,
+        kind,
     });
     if !nested {
         context::record(&held);
@@ -397,6 +463,7 @@ fn grant(
         keys: plan.keys,
         token: request.token,
         hold: request.hold,
+        share,
         fence: plan.fencing.then_some(fence),
         lease,
         acquired,
@@ -404,6 +471,44 @@ fn grant(
         renewal,
         held,
     })
+}
+
+/// The script shape and context kind of a first (or shared) hold of `kind` for `token`.
+fn shape_of(kind: RequestKind, plan: &Plan, token: &str) -> (Shape, Kind) {
+    let share = || format!("{}:s:{token}", plan.keys.lock);
+    let intent = || plan.keys.companion("wi");
+    match kind {
+        RequestKind::Exclusive => (Shape::Exclusive, Kind::Exclusive),
+        RequestKind::Write => {
+            // Keeps new readers out between this writer's attempts, no longer.
+            let between = plan
+                .backoff
+                .ceiling()
+                .saturating_mul(2)
+                .max(Duration::from_secs(1));
+            let shape = Shape::Write {
+                intent: intent(),
+                intent_lease: between.min(plan.ttl),
+            };
+            (shape, Kind::Exclusive)
+        }
+        RequestKind::Read => {
+            let shape = Shape::Share {
+                share: share(),
+                intent: intent(),
+                permits: None,
+            };
+            (shape, Kind::Read)
+        }
+        RequestKind::Permits(permits) => {
+            let shape = Shape::Share {
+                share: share(),
+                intent: intent(),
+                permits: Some(permits),
+            };
+            (shape, Kind::Permit)
+        }
+    }
 }
 
 fn new_token() -> String {
@@ -430,11 +535,16 @@ impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         if self.maybe_held {
             let r = self.request;
+            let share = match &r.shape {
+                Shape::Share { share, .. } => Some(share.clone()),
+                Shape::Exclusive | Shape::Write { .. } => None,
+            };
             let ids = HoldIds {
                 lock: r.lock.clone(),
                 wake: r.wake.clone(),
                 token: r.token.clone(),
                 hold: r.hold.clone(),
+                share,
             };
             crate::guard::release_in_background(self.manager, ids, Duration::ZERO);
         }

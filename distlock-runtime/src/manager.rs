@@ -9,7 +9,7 @@ use crate::LockError;
 use crate::backend::{Backend, ConnectOptions};
 use crate::driver::Driver;
 use crate::key;
-use crate::lock::LockRequest;
+use crate::lock::{LockRequest, RequestKind};
 use crate::waiters::Waiters;
 use crate::watchdog::Watchdog;
 
@@ -94,7 +94,32 @@ impl LockManager {
     /// The key is checked when the request is sent: it must not be empty and may be at most
     /// [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes.
     pub fn lock(&self, key: impl Into<String>) -> LockRequest<'_> {
-        LockRequest::new(self, key.into())
+        LockRequest::new(self, RequestKind::Exclusive, key.into())
+    }
+
+    /// Starts a request for the read side of the read-write lock named `key`: any number of
+    /// readers hold it together, each with its own owner token and lease, while no writer
+    /// does. A writer that is waiting keeps new readers out, so readers cannot starve it.
+    ///
+    /// A task that holds the write lock may take the read lock too (downgrade); the lock stays
+    /// exclusive until the write hold is released.
+    pub fn read_lock(&self, key: impl Into<String>) -> LockRequest<'_> {
+        LockRequest::new(self, RequestKind::Read, key.into())
+    }
+
+    /// Starts a request for the write side of the read-write lock named `key`: held by one
+    /// owner, while no reader holds the read side. A task holding the read lock that asks for
+    /// the write lock gets [`LockError::Upgrade`] at once.
+    pub fn write_lock(&self, key: impl Into<String>) -> LockRequest<'_> {
+        LockRequest::new(self, RequestKind::Write, key.into())
+    }
+
+    /// Starts a request for one permit of the counting semaphore named `key`: at most
+    /// `permits` holders at a time, each with its own owner token and lease, so the permit of
+    /// a holder that dies returns by itself when its lease ends. All users of one key must
+    /// agree on `permits`; zero is an error.
+    pub fn semaphore(&self, key: impl Into<String>, permits: u32) -> LockRequest<'_> {
+        LockRequest::new(self, RequestKind::Permits(permits), key.into())
     }
 
     /// Makes this manager the process-wide default used by `#[distributed_lock]` functions

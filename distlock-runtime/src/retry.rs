@@ -18,6 +18,11 @@ impl Backoff {
         }
     }
 
+    /// The longest delay this backoff draws.
+    pub(crate) fn ceiling(&self) -> Duration {
+        self.cap
+    }
+
     /// The delay after failed attempt number `attempt` (1-based). When the holder's remaining
     /// lease is known, the delay does not run past it, so an expiry is noticed promptly.
     pub(crate) fn delay(&self, attempt: u32, holder_ttl: Option<Duration>) -> Duration {

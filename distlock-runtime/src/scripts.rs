@@ -24,9 +24,29 @@ pub(crate) static EXTEND: LazyLock<Script> =
 pub(crate) static RENEW: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("scripts/renew.lua")));
 
+/// Take the write side of a read-write lock: `{1, fence}` or `{0, pttl}`.
+pub(crate) static WRITE_ACQUIRE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("scripts/write_acquire.lua")));
+
+/// Take a read share or a semaphore permit: `{1, fence}` or `{0, pttl}`.
+pub(crate) static SHARE_ACQUIRE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("scripts/share_acquire.lua")));
+
+/// Give back one hold of a share: 1 released, 0 not held.
+pub(crate) static SHARE_RELEASE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("scripts/share_release.lua")));
+
 /// Every script, for loading them all when a manager connects.
-pub(crate) fn all() -> [&'static Script; 4] {
-    [&ACQUIRE, &RELEASE, &EXTEND, &RENEW]
+pub(crate) fn all() -> [&'static Script; 7] {
+    [
+        &ACQUIRE,
+        &RELEASE,
+        &EXTEND,
+        &RENEW,
+        &WRITE_ACQUIRE,
+        &SHARE_ACQUIRE,
+        &SHARE_RELEASE,
+    ]
 }
 
 #[cfg(all(test, feature = "test-util"))]
@@ -159,9 +179,9 @@ mod tests {
         acquire(&mut conn, "l{r1}", "a", "a", false, false).await;
         acquire(&mut conn, "l{r2}", "b", "b", false, false).await;
         let mut call = RENEW.prepare_invoke();
-        call.key("l{r1}").arg("a").arg(60_000);
-        call.key("l{r2}").arg("not-b").arg(60_000);
-        call.key("l{r3}").arg("c").arg(60_000);
+        call.key("l{r1}").key("l{r1}").arg("a").arg(60_000);
+        call.key("l{r2}").key("l{r2}").arg("not-b").arg(60_000);
+        call.key("l{r3}").key("l{r3}").arg("c").arg(60_000);
         let renewed: Vec<i64> = call.invoke_async(&mut conn).await.unwrap();
         assert_eq!(renewed, vec![1, 0, 0]);
         let pttl: i64 = conn.pttl("l{r1}").await.unwrap();

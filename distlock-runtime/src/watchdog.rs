@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
+use crate::backend::Renewal;
 use crate::lease::LeaseState;
 use crate::manager::Inner;
 
@@ -70,6 +71,7 @@ struct Leases {
 #[derive(Debug)]
 struct Lease {
     lock: String,
+    share: Option<String>,
     token: String,
     ttl: Duration,
     state: Arc<LeaseState>,
@@ -96,6 +98,7 @@ impl Watchdog {
         &self,
         manager: &Arc<Inner>,
         lock: String,
+        share: Option<String>,
         token: String,
         state: Arc<LeaseState>,
         acquired: Instant,
@@ -104,6 +107,7 @@ impl Watchdog {
         let ttl = state.ttl();
         let lease = Lease {
             lock,
+            share,
             token,
             ttl,
             state,
@@ -136,6 +140,7 @@ impl Watchdog {
 struct Due {
     id: u64,
     lock: String,
+    share: Option<String>,
     token: String,
     ttl: Duration,
     state: Arc<LeaseState>,
@@ -201,6 +206,7 @@ fn collect_due(leases: &mut Leases) -> (Vec<Due>, Instant) {
                 due.push(Due {
                     id,
                     lock: lease.lock.clone(),
+                    share: lease.share.clone(),
                     token: lease.token.clone(),
                     ttl: lease.ttl,
                     state: lease.state.clone(),
@@ -219,9 +225,14 @@ fn collect_due(leases: &mut Leases) -> (Vec<Due>, Instant) {
 async fn renew(shared: &Shared, inner: &Inner, due: Vec<Due>) {
     for batch in due.chunks(BATCH) {
         let sent = Instant::now();
-        let items: Vec<(&str, &str, Duration)> = batch
+        let items: Vec<Renewal<'_>> = batch
             .iter()
-            .map(|d| (d.lock.as_str(), d.token.as_str(), d.ttl))
+            .map(|d| Renewal {
+                lock: &d.lock,
+                share: d.share.as_deref(),
+                token: &d.token,
+                lease: d.ttl,
+            })
             .collect();
         shared.counters.round_trips.fetch_add(1, Ordering::Relaxed);
         match inner.backend.renew(&items).await {

@@ -1,0 +1,74 @@
+-- Take a share of a lock: a read lock (many readers) or a semaphore permit (at most N).
+--
+-- KEYS[1]  the lock: a hash {"mode" -> "read" | "permits", owner token -> hold count,
+--          "h:<hold id>" -> 1 for nested holds}
+-- KEYS[2]  this share's lease key (same hash tag, named <lock>:s:<token>); its value is the
+--          share's fencing token
+-- KEYS[3]  the lock's write intent (same hash tag): set while a writer waits
+-- KEYS[4]  the lock's fencing counter (same hash tag; touched only when ARGV[5] == "1")
+-- ARGV[1]  owner token
+-- ARGV[2]  lease in milliseconds
+-- ARGV[3]  hold id (equal to the token for a first hold)
+-- ARGV[4]  "read", or the number of permits of a semaphore
+-- ARGV[5]  "1" to draw a fencing token
+--
+-- Returns {1, fence} when the share is held, {0, pttl} when it is not available.
+-- A share's lease is its own key: a reader or permit holder that dies frees its share when
+-- its own lease ends, whatever the other holders' leases. Shares whose lease key is gone are
+-- pruned here before counting.
+
+local lock, share, intent = KEYS[1], KEYS[2], KEYS[3]
+local token, lease, hold = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local mode = ARGV[4] == 'read' and 'read' or 'permits'
+local limit = tonumber(ARGV[4]) or 0
+
+local current = redis.call('hget', lock, 'mode')
+if current and current ~= mode then
+  return {0, redis.call('pttl', lock)}
+end
+
+local function lengthen(key)
+  if redis.call('pttl', key) < lease then
+    redis.call('pexpire', key, lease)
+  end
+end
+
+-- A resent request, or a nested hold of a share this owner already has.
+if redis.call('hexists', lock, token) == 1 and redis.call('exists', share) == 1 then
+  if hold ~= token and redis.call('hsetnx', lock, 'h:' .. hold, 1) == 1 then
+    redis.call('hincrby', lock, token, 1)
+  end
+  lengthen(share)
+  lengthen(lock)
+  return {1, tonumber(redis.call('get', share))}
+end
+
+if mode == 'read' and redis.call('exists', intent) == 1 then
+  -- A writer is waiting: new readers queue behind it.
+  return {0, redis.call('pttl', intent)}
+end
+
+if mode == 'permits' and current then
+  local held = 0
+  for _, field in ipairs(redis.call('hkeys', lock)) do
+    if field ~= 'mode' and string.sub(field, 1, 2) ~= 'h:' then
+      if redis.call('exists', lock .. ':s:' .. field) == 1 then
+        held = held + 1
+      else
+        redis.call('hdel', lock, field)
+      end
+    end
+  end
+  if held >= limit then
+    return {0, redis.call('pttl', lock)}
+  end
+end
+
+local fence = 0
+if ARGV[5] == '1' then
+  fence = redis.call('incr', KEYS[4])
+end
+redis.call('hset', lock, 'mode', mode, token, 1)
+redis.call('set', share, fence, 'PX', lease)
+lengthen(lock)
+return {1, fence}
