@@ -10,7 +10,7 @@ use crate::duration::{self, DurationArg};
 use crate::key::{self, Template};
 
 const KNOWN: &str = "`key`, `ttl`, `retries`, `retry_delay`, `wait`, `watchdog`, `max_hold`, \
-     `reentrant`, `fencing`, `on_busy`, `on_lost`, `min_hold`, `guard`, `manager`";
+     `reentrant`, `fencing`, `mode`, `permits`, `on_busy`, `on_lost`, `min_hold`, `guard`, `manager`";
 
 /// What to do when the lock is held by someone else.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +27,13 @@ pub(crate) enum OnLost {
     Continue,
 }
 
+/// The side of a read-write lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Read,
+    Write,
+}
+
 /// The validated arguments.
 #[derive(Default)]
 pub(crate) struct Args {
@@ -41,6 +48,8 @@ pub(crate) struct Args {
     pub(crate) max_hold: Option<DurationArg>,
     pub(crate) min_hold: Option<DurationArg>,
     pub(crate) on_lost: Option<(LitStr, OnLost)>,
+    pub(crate) mode: Option<(LitStr, Mode)>,
+    pub(crate) permits: Option<(LitInt, u32)>,
     pub(crate) on_busy: Option<(LitStr, OnBusy)>,
     pub(crate) guard: Option<Ident>,
     pub(crate) manager: Option<Expr>,
@@ -179,14 +188,32 @@ impl Args {
                 let expr: Expr = meta.value()?.parse()?;
                 set(&mut self.manager, expr, meta)
             }
-            "mode" | "permits" => {
-                // Consume a value if one was given, so that parsing goes on after the error.
-                if meta.input.peek(syn::Token![=]) {
-                    let _: Expr = meta.value()?.parse()?;
-                }
-                Err(meta.error(format!(
-                    "`{name}` is not supported by this version of distlock; supported arguments: {KNOWN}"
-                )))
+            "mode" => {
+                let lit = string(meta, "mode")?;
+                let mode = match lit.value().as_str() {
+                    "read" => Mode::Read,
+                    "write" => Mode::Write,
+                    other => {
+                        return Err(syn::Error::new(
+                            lit.span(),
+                            format!("unknown `mode` {other:?}: expected `\"read\"` or `\"write\"`"),
+                        ));
+                    }
+                };
+                set(&mut self.mode, (lit, mode), meta)
+            }
+            "permits" => {
+                let lit: LitInt = value(meta, "permits", "a whole number, as in `permits = 4`")?;
+                let permits = match lit.base10_parse::<u32>() {
+                    Ok(0) | Err(_) => {
+                        return Err(syn::Error::new(
+                            lit.span(),
+                            "`permits` must be a whole number from 1 to 4294967295",
+                        ));
+                    }
+                    Ok(n) => n,
+                };
+                set(&mut self.permits, (lit, permits), meta)
             }
             _ => {
                 if meta.input.peek(syn::Token![=]) {
@@ -201,6 +228,25 @@ impl Args {
 
     /// Options that cannot all be meant: reported at the later one.
     fn check_conflicts(&self, errors: &mut Errors) {
+        if let (Some(_), Some((permits, _))) = (&self.mode, &self.permits) {
+            errors.push(syn::Error::new(
+                permits.span(),
+                "`permits` makes a semaphore and `mode` a read-write lock: use one of them",
+            ));
+        }
+        if let (Some(reentrant), Some(_)) = (&self.reentrant, &self.permits) {
+            errors.push(syn::Error::new(
+                reentrant.span(),
+                "semaphore permits are not reentrant: every call takes its own permit; remove `reentrant`",
+            ));
+        }
+        let shared = matches!(self.mode, Some((_, Mode::Read))) || self.permits.is_some();
+        if let (Some(min_hold), true) = (&self.min_hold, shared) {
+            errors.push(syn::Error::new(
+                min_hold.lit.span(),
+                "`min_hold` applies to exclusive and write locks, not to read locks or permits",
+            ));
+        }
         if let (Some(max_hold), None) = (&self.max_hold, &self.watchdog) {
             errors.push(syn::Error::new(
                 max_hold.lit.span(),

@@ -8,7 +8,7 @@ use syn::spanned::Spanned;
 use syn::visit_mut::VisitMut;
 use syn::{AttrStyle, Ident, Type};
 
-use crate::args::{self, Args, OnBusy, OnLost};
+use crate::args::{self, Args, Mode, OnBusy, OnLost};
 use crate::check::{self, LockFn};
 use crate::fallback;
 
@@ -69,6 +69,16 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
         .expect("`key` is required by `args::parse`");
     let key = template.expr();
     let template_text = template.lit.value();
+    let request = match (&args.mode, &args.permits) {
+        (Some((lit, Mode::Read)), _) => quote_spanned!(lit.span()=> read_lock),
+        (Some((lit, Mode::Write)), _) => quote_spanned!(lit.span()=> write_lock),
+        (None, Some((lit, _))) => quote_spanned!(lit.span()=> semaphore),
+        (None, None) => quote!(lock),
+    };
+    let permits = args.permits.as_ref().map(|(lit, n)| {
+        let n = Literal::u32_unsuffixed(*n);
+        quote_spanned!(lit.span()=> , #n)
+    });
     let mut options = TokenStream::new();
     let millis = |lit: &syn::LitStr, ms: u64| {
         let ms = Literal::u64_unsuffixed(ms);
@@ -151,7 +161,7 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
         #vis #sig {
             #(#inner)*
             #get_manager
-            let #guard = match #manager.lock(#key).template(#template_text) #options .acquire().await {
+            let #guard = match #manager.#request(#key #permits).template(#template_text) #options .acquire().await {
                 ::core::result::Result::Ok(#guard) => #guard,
                 #on_error
             };

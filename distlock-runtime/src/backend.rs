@@ -133,7 +133,7 @@ impl Backend {
                     .arg(flag(req.fencing))
                     .arg(&req.hold)
                     .arg(flag(req.reentrant))
-                    .arg(millis(*intent_lease));
+                    .arg(u64::try_from(intent_lease.as_millis()).unwrap_or(u64::MAX));
                 call
             }
             Shape::Share {

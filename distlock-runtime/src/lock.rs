@@ -15,6 +15,7 @@ use crate::lease::LeaseState;
 use crate::manager::LockManager;
 use crate::retry::Backoff;
 use crate::waiters::Ticket;
+use crate::watchdog::Target;
 
 /// A request for one lock, built by [`LockManager::lock`]; send it with
 /// [`acquire`](Self::acquire) or [`try_acquire`](Self::try_acquire).
@@ -438,15 +439,14 @@ fn grant(
         Shape::Exclusive | Shape::Write { .. } => None,
     };
     let renewal = plan.watchdog.then(|| {
-        inner.watchdog.register(
-            inner,
-            request.lock.clone(),
-            share.clone(),
-            request.token.clone(),
-            lease.clone(),
-            acquired.sent,
-            plan.max_hold,
-        )
+        let target = Target {
+            lock: request.lock.clone(),
+            share: share.clone(),
+            token: request.token.clone(),
+        };
+        inner
+            .watchdog
+            .register(inner, target, lease.clone(), acquired.sent, plan.max_hold)
     });
     let held = Arc::new(Held {
         manager: Arc::as_ptr(inner) as usize,
@@ -488,7 +488,12 @@ fn shape_of(kind: RequestKind, plan: &Plan, token: &str) -> (Shape, Kind) {
                 .max(Duration::from_secs(1));
             let shape = Shape::Write {
                 intent: intent(),
-                intent_lease: between.min(plan.ttl),
+                // A writer that will not try again leaves no intent behind.
+                intent_lease: if plan.retries == 0 {
+                    Duration::ZERO
+                } else {
+                    between.min(plan.ttl)
+                },
             };
             (shape, Kind::Exclusive)
         }

@@ -7,12 +7,12 @@
 //! or no key is marked lost and dropped, and one is dropped as soon as its guard is released.
 //!
 //! Renewal also requires the holder to be alive: each tick sends a tiny probe task to the
-//! runtime that acquired the lease, and a lease whose previous probe has not run (that
-//! runtime is blocked or gone) is not renewed, so it expires instead of outliving a stuck
-//! holder. `max_hold` ends renewal for a body that never finishes.
+//! runtime that acquired the lease, and a lease whose holder's runtime has not run a probe
+//! for half a lease (that runtime is blocked or gone) is not renewed, so it expires instead of
+//! outliving a stuck holder. `max_hold` ends renewal for a body that never finishes.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -39,6 +39,25 @@ impl Drop for Registration {
             shared.lock().by_id.remove(&self.id);
         }
     }
+}
+
+/// The base of the probe timestamps.
+static EPOCH: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
+
+fn since_epoch(at: Instant) -> u64 {
+    nanos(at.saturating_duration_since(*EPOCH))
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// What a renewal extends: the lock, the share's lease key for shares, and the owner token.
+#[derive(Debug)]
+pub(crate) struct Target {
+    pub(crate) lock: String,
+    pub(crate) share: Option<String>,
+    pub(crate) token: String,
 }
 
 /// Counters of the renewal work done by a manager.
@@ -78,7 +97,8 @@ struct Lease {
     next_renewal: Instant,
     stop_at: Option<Instant>,
     holder: Option<Handle>,
-    alive: Arc<AtomicBool>,
+    /// When the holder's runtime last ran a probe, in nanoseconds since `EPOCH`.
+    alive: Arc<AtomicU64>,
 }
 
 impl Shared {
@@ -92,19 +112,18 @@ impl Watchdog {
         &self.shared.counters
     }
 
-    /// Starts renewing `lock` for `token` every ~`ttl`/3 until the registration is dropped or
+    /// Starts renewing the hold `target` every ~`ttl`/3 until the registration is dropped or
     /// `max_hold` has passed since `acquired`.
     pub(crate) fn register(
         &self,
         manager: &Arc<Inner>,
-        lock: String,
-        share: Option<String>,
-        token: String,
+        target: Target,
         state: Arc<LeaseState>,
         acquired: Instant,
         max_hold: Option<Duration>,
     ) -> Registration {
         let ttl = state.ttl();
+        let Target { lock, share, token } = target;
         let lease = Lease {
             lock,
             share,
@@ -114,7 +133,7 @@ impl Watchdog {
             next_renewal: acquired + ttl / 3,
             stop_at: max_hold.map(|max| acquired + max),
             holder: Handle::try_current().ok(),
-            alive: Arc::new(AtomicBool::new(true)),
+            alive: Arc::new(AtomicU64::new(since_epoch(Instant::now()))),
         };
         let (id, start) = {
             let mut leases = self.shared.lock();
@@ -191,15 +210,18 @@ fn collect_due(leases: &mut Leases) -> (Vec<Due>, Instant) {
             lease.state.mark_lost();
             return false;
         }
-        // Renew what is due within a sixth of its TTL, so that leases taken close together
-        // share one round trip.
+        // Renew what falls due within half an interval: two groups of leases taken at
+        // different times then merge within a round, and share round trips from then on.
         if lease.next_renewal <= now + lease.ttl / 6 {
-            let holder_alive = lease.alive.swap(false, Ordering::AcqRel);
-            if let Some(holder) = &lease.holder {
-                let alive = lease.alive.clone();
-                drop(holder.spawn(async move { alive.store(true, Ordering::Release) }));
-            } else {
-                lease.alive.store(true, Ordering::Release);
+            let probed = lease.alive.load(Ordering::Acquire);
+            let holder_alive = since_epoch(now).saturating_sub(probed) <= nanos(lease.ttl / 2);
+            match &lease.holder {
+                Some(holder) => {
+                    let alive = lease.alive.clone();
+                    let probe = async move { alive.store(since_epoch(Instant::now()), Ordering::Release) };
+                    drop(holder.spawn(probe));
+                }
+                None => lease.alive.store(since_epoch(now), Ordering::Release),
             }
             lease.next_renewal = now + lease.ttl / 3;
             if holder_alive {

@@ -8,7 +8,8 @@
 -- ARGV[3]  "1" to draw a fencing token
 -- ARGV[4]  hold id (equal to the token for a first hold)
 -- ARGV[5]  "1" if a holder with the same token may re-enter
--- ARGV[6]  how long (ms) a refused writer's intent keeps new readers out
+-- ARGV[6]  how long (ms) a refused writer's intent keeps new readers out ("0": no intent,
+--          for a writer that will not try again)
 --
 -- Returns {1, fence} when held, {0, pttl} when not. While refused, the writer leaves an
 -- intent that makes new readers wait, so a steady stream of readers cannot starve it.
@@ -18,7 +19,7 @@ local token, lease, hold = ARGV[1], tonumber(ARGV[2]), ARGV[4]
 
 local function refused()
   local owner = redis.call('get', intent)
-  if not owner or owner == token then
+  if ARGV[6] ~= '0' and (not owner or owner == token) then
     redis.call('set', intent, token, 'PX', ARGV[6])
   end
   return {0, redis.call('pttl', lock)}
