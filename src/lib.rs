@@ -181,6 +181,23 @@ pub use distlock_runtime::*;
 ///
 /// The same without the macro: `.min_hold(Duration::from_secs(30))`.
 ///
+/// # `mode = "read" | "write"`
+///
+/// A read-write lock on the key: any number of readers at once, or one writer alone. A
+/// waiting writer keeps new readers out, so readers cannot starve it. Inside a write-locked
+/// body, a nested `mode = "read"` call on the same key is a downgrade and succeeds; the reverse
+/// fails at once with [`LockError::Upgrade`].
+///
+/// The same without the macro: [`LockManager::read_lock`] and [`LockManager::write_lock`].
+///
+/// # `permits = N`
+///
+/// A counting semaphore: at most `N` holders of the key at any moment, each with its own
+/// lease, so a holder that dies returns its permit when its lease ends. Not with `mode` or
+/// `reentrant`.
+///
+/// The same without the macro: [`LockManager::semaphore`].
+///
 /// # `fencing`
 ///
 /// Draws a fencing token, a per-key number that grows with every acquisition; read it from
@@ -235,5 +252,5 @@ pub use distlock_runtime::*;
 /// unknown or repeated argument, a duration without a unit, an unknown placeholder,
 /// unbalanced braces, a return type that cannot carry `LockError`, and contradictory options
 /// (`wait` or `retry_delay` with `retries = 0`, `max_hold` without `watchdog`, `min_hold`
-/// longer than `ttl`).
+/// longer than `ttl` or on a shared lock, `mode` with `permits`, `reentrant` permits).
 pub use distlock_macros::distributed_lock;
