@@ -8,6 +8,7 @@ use std::io;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures_util::future::join_all;
 use tokio::runtime;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -31,14 +32,14 @@ pub(crate) struct ConnectOptions {
     pub(crate) response_timeout: Duration,
 }
 
-/// A single Redis server (or anything that speaks to one endpoint).
+/// One Redis server (or anything that speaks to one endpoint).
 ///
 /// Connections are kept per tokio runtime: a multiplexed connection's I/O task lives on the
 /// runtime that opened it, so each runtime that uses the manager gets its own, and a runtime
 /// that shuts down takes only its own connection with it. Requests then never hop to another
 /// thread on their way to the socket.
 #[derive(Clone)]
-pub(crate) struct Backend {
+pub(crate) struct Node {
     pool: Arc<Pool>,
 }
 
@@ -50,17 +51,17 @@ struct Pool {
     by_runtime: Mutex<HashMap<runtime::Id, ConnectionManager>>,
 }
 
-impl std::fmt::Debug for Backend {
+impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Backend")
+        f.debug_struct("Node")
             .field("response_timeout", &self.pool.response_timeout)
             .finish_non_exhaustive()
     }
 }
 
-impl Backend {
-    /// Connects to `url` from the current runtime and loads every script.
-    pub(crate) async fn connect(url: &str, options: ConnectOptions) -> RedisResult<Self> {
+impl Node {
+    /// A node for `url`; nothing is sent until it is used.
+    pub(crate) fn new(url: &str, options: ConnectOptions) -> RedisResult<Self> {
         let client = Client::open(url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(options.connect_timeout))
@@ -68,7 +69,7 @@ impl Backend {
             .set_number_of_retries(1)
             .set_min_delay(Duration::from_millis(20))
             .set_max_delay(Duration::from_millis(200));
-        let backend = Self {
+        let node = Self {
             pool: Arc::new(Pool {
                 client,
                 config,
@@ -77,12 +78,17 @@ impl Backend {
                 by_runtime: Mutex::new(HashMap::new()),
             }),
         };
-        let mut conn = backend.conn()?;
-        let limit = options.connect_timeout * 3;
+        Ok(node)
+    }
+
+    /// Connects from the current runtime and loads every script.
+    pub(crate) async fn load_scripts(&self) -> RedisResult<()> {
+        let mut conn = self.conn()?;
+        let limit = self.pool.connect_timeout * 3;
         for script in scripts::all() {
             bounded(limit, script.prepare_invoke().load_async(&mut conn)).await?;
         }
-        Ok(backend)
+        Ok(())
     }
 
     /// The connection of the current tokio runtime, opened (lazily) on first use.
@@ -321,6 +327,23 @@ pub(crate) struct AcquireRequest {
     pub(crate) reentrant: bool,
 }
 
+impl AcquireRequest {
+    /// What names this request's hold, for giving it back.
+    pub(crate) fn hold_ids(&self) -> HoldIds {
+        let share = match &self.shape {
+            Shape::Share { share, .. } => Some(share.clone()),
+            Shape::Exclusive | Shape::Write { .. } => None,
+        };
+        HoldIds {
+            lock: self.lock.clone(),
+            wake: self.wake.clone(),
+            token: self.token.clone(),
+            hold: self.hold.clone(),
+            share,
+        }
+    }
+}
+
 fn flag(on: bool) -> &'static str {
     if on { "1" } else { "0" }
 }
@@ -328,4 +351,203 @@ fn flag(on: bool) -> &'static str {
 /// A lease in whole milliseconds, at least 1.
 pub(crate) fn millis(lease: Duration) -> u64 {
     u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+/// Where locks live: one node, or N independent masters under the RedLock rules.
+///
+/// With one node every operation goes straight to it. With several, every operation goes to
+/// all of them at once and counts only with a majority: an acquisition holds when a majority
+/// granted it and the lease left (TTL − elapsed − drift) is positive, and is given back on
+/// every node otherwise; release, extend and renewal succeed with a majority.
+#[derive(Clone, Debug)]
+pub(crate) struct Backend {
+    nodes: Arc<[Node]>,
+    quorum: usize,
+}
+
+impl Backend {
+    /// Connects to every URL; with several, a majority must answer.
+    pub(crate) async fn connect(urls: &[String], options: ConnectOptions) -> RedisResult<Self> {
+        let nodes = urls
+            .iter()
+            .map(|url| Node::new(url, options))
+            .collect::<RedisResult<Vec<_>>>()?;
+        let quorum = nodes.len() / 2 + 1;
+        let loaded = join_all(nodes.iter().map(Node::load_scripts)).await;
+        let reachable = loaded.iter().filter(|r| r.is_ok()).count();
+        if reachable < quorum {
+            let first = loaded.into_iter().find_map(Result::err);
+            return Err(first.unwrap_or_else(|| io::Error::other("no node reachable").into()));
+        }
+        Ok(Self {
+            nodes: nodes.into(),
+            quorum,
+        })
+    }
+
+    fn single(&self) -> Option<&Node> {
+        match &*self.nodes {
+            [node] => Some(node),
+            _ => None,
+        }
+    }
+
+    /// The node that carries wake-up messages.
+    fn first(&self) -> &Node {
+        &self.nodes[0]
+    }
+
+    /// One acquire attempt.
+    pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
+        if let Some(node) = self.single() {
+            return node.acquire(req).await;
+        }
+        // A node that does not answer within a small part of the lease is counted as lost.
+        let limit = (req.lease / 10).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let started = std::time::Instant::now();
+        let answers = join_all(self.nodes.iter().map(|n| bounded(limit, n.acquire(req)))).await;
+        let elapsed = started.elapsed();
+        let drift = req.lease / 100 + Duration::from_millis(2);
+        let mut held = 0;
+        let mut fence = 0;
+        let mut busy_for: Option<Duration> = None;
+        let mut error = None;
+        let mut failed = 0;
+        for answer in answers {
+            match answer {
+                Ok(Attempt::Held { fence: f }) => {
+                    held += 1;
+                    fence = fence.max(f);
+                }
+                Ok(Attempt::Busy { holder_ttl }) => {
+                    busy_for = match (busy_for, holder_ttl) {
+                        (Some(a), Some(b)) => Some(a.min(b)),
+                        (a, b) => a.or(b),
+                    };
+                }
+                Err(e) => {
+                    failed += 1;
+                    error = Some(e);
+                }
+            }
+        }
+        if held >= self.quorum && elapsed + drift < req.lease {
+            return Ok(Attempt::Held { fence });
+        }
+        // Not held: give back whatever was granted, on every node, before answering.
+        if held > 0 {
+            let ids = req.hold_ids();
+            let releases = self
+                .nodes
+                .iter()
+                .map(|n| bounded(limit, n.release(&ids, Duration::ZERO)));
+            join_all(releases).await;
+        }
+        // Too few answers to call it busy: report why.
+        match error {
+            Some(error) if self.nodes.len() - failed < self.quorum => Err(error),
+            _ => Ok(Attempt::Busy {
+                holder_ttl: busy_for,
+            }),
+        }
+    }
+
+    /// Gives back one hold; with several nodes, `true` when a majority released it.
+    pub(crate) async fn release(&self, ids: &HoldIds, keep: Duration) -> RedisResult<bool> {
+        if let Some(node) = self.single() {
+            return node.release(ids, keep).await;
+        }
+        let answers = join_all(self.nodes.iter().map(|n| n.release(ids, keep))).await;
+        self.majority(answers)
+    }
+
+    /// Sets the lease; with several nodes, `true` when a majority set it.
+    pub(crate) async fn extend(
+        &self,
+        lock: &str,
+        share: Option<&str>,
+        token: &str,
+        lease: Duration,
+    ) -> RedisResult<bool> {
+        if let Some(node) = self.single() {
+            return node.extend(lock, share, token, lease).await;
+        }
+        let answers = join_all(
+            self.nodes
+                .iter()
+                .map(|n| n.extend(lock, share, token, lease)),
+        )
+        .await;
+        self.majority(answers)
+    }
+
+    /// Renews a batch; with several nodes, a lease counts as renewed on a majority.
+    pub(crate) async fn renew(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<bool>> {
+        if let Some(node) = self.single() {
+            return node.renew(items).await;
+        }
+        let answers = join_all(self.nodes.iter().map(|n| n.renew(items))).await;
+        let mut counts = vec![0usize; items.len()];
+        let mut error = None;
+        let mut answered = 0;
+        for answer in answers {
+            match answer {
+                Ok(renewed) => {
+                    answered += 1;
+                    for (count, yes) in counts.iter_mut().zip(renewed) {
+                        *count += usize::from(yes);
+                    }
+                }
+                Err(e) => error = Some(e),
+            }
+        }
+        match error {
+            Some(error) if answered < self.quorum => Err(error),
+            _ => Ok(counts.into_iter().map(|c| c >= self.quorum).collect()),
+        }
+    }
+
+    /// Whether the token holds the lock (on a majority).
+    pub(crate) async fn holds(
+        &self,
+        lock: &str,
+        share: Option<&str>,
+        token: &str,
+    ) -> RedisResult<bool> {
+        if let Some(node) = self.single() {
+            return node.holds(lock, share, token).await;
+        }
+        let answers = join_all(self.nodes.iter().map(|n| n.holds(lock, share, token))).await;
+        self.majority(answers)
+    }
+
+    /// A pub/sub connection for wake-ups (on the first node).
+    pub(crate) async fn pubsub(&self) -> RedisResult<redis::aio::PubSub> {
+        self.first().pubsub().await
+    }
+
+    /// Whether this backend spreads each lock over independent masters.
+    pub(crate) fn is_redlock(&self) -> bool {
+        self.nodes.len() > 1
+    }
+
+    /// `true` with a majority of yes; an error when too few nodes answered to know.
+    fn majority(&self, answers: Vec<RedisResult<bool>>) -> RedisResult<bool> {
+        let mut yes = 0;
+        let mut answered = 0;
+        let mut error = None;
+        for answer in answers {
+            match answer {
+                Ok(v) => {
+                    answered += 1;
+                    yes += usize::from(v);
+                }
+                Err(e) => error = Some(e),
+            }
+        }
+        match error {
+            Some(error) if yes < self.quorum && answered < self.quorum => Err(error),
+            _ => Ok(yes >= self.quorum),
+        }
+    }
 }

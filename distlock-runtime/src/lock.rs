@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use tracing::Instrument;
 
 use crate::LockError;
-use crate::backend::{AcquireRequest, Attempt, HoldIds, Shape};
+use crate::backend::{AcquireRequest, Attempt, Shape};
 use crate::context::{self, Held, Kind};
 use crate::guard::{Acquired, LockGuard, Parts};
 use crate::key::Keys;
@@ -214,6 +214,20 @@ impl<'m> LockRequest<'m> {
                     keys.name
                 ),
             ));
+        }
+        if self.manager.inner.backend.is_redlock() {
+            if self.fencing {
+                return Err(LockError::invalid(
+                    "fencing",
+                    "fencing tokens need one counter; RedLock masters count independently",
+                ));
+            }
+            if self.kind != RequestKind::Exclusive {
+                return Err(LockError::invalid(
+                    "lock kind",
+                    "read-write locks and semaphores are not available with RedLock",
+                ));
+            }
         }
         if self.kind == RequestKind::Permits(0) {
             return Err(LockError::invalid(
@@ -539,18 +553,7 @@ struct InFlight<'a> {
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         if self.maybe_held {
-            let r = self.request;
-            let share = match &r.shape {
-                Shape::Share { share, .. } => Some(share.clone()),
-                Shape::Exclusive | Shape::Write { .. } => None,
-            };
-            let ids = HoldIds {
-                lock: r.lock.clone(),
-                wake: r.wake.clone(),
-                token: r.token.clone(),
-                hold: r.hold.clone(),
-                share,
-            };
+            let ids = self.request.hold_ids();
             crate::guard::release_in_background(self.manager, ids, Duration::ZERO);
         }
     }

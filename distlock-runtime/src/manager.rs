@@ -205,7 +205,8 @@ impl fmt::Debug for LockManager {
 #[derive(Clone)]
 #[must_use = "a builder does nothing until `build().await` is called"]
 pub struct LockManagerBuilder {
-    url: Option<String>,
+    urls: Vec<String>,
+    redlock: bool,
     prefix: String,
     defaults: Defaults,
     connect_timeout: Duration,
@@ -215,7 +216,8 @@ pub struct LockManagerBuilder {
 impl Default for LockManagerBuilder {
     fn default() -> Self {
         Self {
-            url: None,
+            urls: Vec::new(),
+            redlock: false,
             prefix: "distlock:".to_owned(),
             defaults: Defaults {
                 ttl: Duration::from_secs(30),
@@ -233,7 +235,10 @@ impl Default for LockManagerBuilder {
 impl fmt::Debug for LockManagerBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockManagerBuilder")
-            .field("url", &self.url.as_deref().map(redact_url))
+            .field(
+                "urls",
+                &self.urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>(),
+            )
             .field("key_prefix", &self.prefix)
             .field("defaults", &self.defaults)
             .field("connect_timeout", &self.connect_timeout)
@@ -246,7 +251,25 @@ impl LockManagerBuilder {
     /// A single Redis server, as a `redis://` or `rediss://` URL (`redis://:password@host:6379/0`).
     /// Credentials in the URL never appear in `Debug` output, errors or logs.
     pub fn redis_url(mut self, url: impl Into<String>) -> Self {
-        self.url = Some(url.into());
+        self.urls = vec![url.into()];
+        self.redlock = false;
+        self
+    }
+
+    /// RedLock over independent Redis masters (at least 3; an odd number is best): a lock is
+    /// held when a majority of them granted it within its lease. Replaces `redis_url`.
+    ///
+    /// Each master is a plain server with no replication between them. Locks taken this way
+    /// survive the crash of a minority of masters; see the README for what RedLock does and
+    /// does not promise. Exclusive locks only (also reentrant), without fencing tokens: the
+    /// masters' counters are independent, so no single increasing sequence exists.
+    pub fn redlock<I, S>(mut self, urls: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.urls = urls.into_iter().map(Into::into).collect();
+        self.redlock = true;
         self
     }
 
@@ -304,11 +327,25 @@ impl LockManagerBuilder {
 
     /// Checks the configuration, connects, and loads the scripts.
     pub async fn build(self) -> Result<LockManager, LockError> {
-        let url = self.url.clone().ok_or_else(|| {
-            LockError::Config("no Redis endpoint: call `redis_url(\"redis://host:6379\")`".into())
-        })?;
+        if self.urls.is_empty() {
+            return Err(LockError::Config(
+                "no Redis endpoint: call `redis_url(\"redis://host:6379\")` or `redlock([...])`"
+                    .into(),
+            ));
+        }
+        if self.redlock && self.urls.len() < 3 {
+            return Err(LockError::Config(format!(
+                "RedLock needs at least 3 independent masters, got {}",
+                self.urls.len()
+            )));
+        }
         self.check()?;
-        let target = redact_url(&url);
+        let urls = self.urls.clone();
+        let target = urls
+            .iter()
+            .map(|u| redact_url(u))
+            .collect::<Vec<_>>()
+            .join(", ");
         let driver = Driver::start()?;
         let options = ConnectOptions {
             connect_timeout: self.connect_timeout,
@@ -316,10 +353,10 @@ impl LockManagerBuilder {
         };
         // Connect from the caller's runtime, which is where its requests will come from.
         let connected = if tokio::runtime::Handle::try_current().is_ok() {
-            Backend::connect(&url, options).await
+            Backend::connect(&urls, options).await
         } else {
             driver
-                .run(async move { Backend::connect(&url, options).await })
+                .run(async move { Backend::connect(&urls, options).await })
                 .await?
         };
         let backend =

@@ -13,7 +13,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use futures_core::Stream;
+use futures_util::Stream;
 use redis::aio::{PubSubSink, PubSubStream};
 use tokio::sync::Notify;
 
