@@ -23,6 +23,8 @@ pub(crate) enum Attempt {
     Held { fence: u64 },
     /// Another owner holds it for about this much longer (`None`: no expiry was reported).
     Busy { holder_ttl: Option<Duration> },
+    /// Granted, but fewer replicas than asked acknowledged it: already given back.
+    Unreplicated { acked: u32, wanted: u32 },
 }
 
 /// How a backend connects.
@@ -30,6 +32,8 @@ pub(crate) enum Attempt {
 pub(crate) struct ConnectOptions {
     pub(crate) connect_timeout: Duration,
     pub(crate) response_timeout: Duration,
+    /// After each grant, WAIT for this many replicas, this long.
+    pub(crate) sync_replicas: Option<(u32, Duration)>,
 }
 
 /// One Redis server (or anything that speaks to one endpoint).
@@ -48,6 +52,7 @@ struct Pool {
     config: ConnectionManagerConfig,
     response_timeout: Duration,
     connect_timeout: Duration,
+    sync_replicas: Option<(u32, Duration)>,
     by_runtime: Mutex<HashMap<runtime::Id, ConnectionManager>>,
 }
 
@@ -75,6 +80,7 @@ impl Node {
                 config,
                 response_timeout: options.response_timeout,
                 connect_timeout: options.connect_timeout,
+                sync_replicas: options.sync_replicas,
                 by_runtime: Mutex::new(HashMap::new()),
             }),
         };
@@ -163,6 +169,29 @@ impl Node {
             }
         };
         let (held, value): (i64, i64) = self.bounded(call.invoke_async(&mut conn)).await?;
+        if held == 1
+            && let Some((wanted, timeout)) = self.pool.sync_replicas
+        {
+            // WAIT on the same connection covers the grant just written.
+            let wait = redis::cmd("WAIT")
+                .arg(wanted)
+                .arg(
+                    u64::try_from(timeout.as_millis())
+                        .unwrap_or(u64::MAX)
+                        .max(1),
+                )
+                .to_owned();
+            let acked: i64 = bounded(
+                self.pool.response_timeout + timeout,
+                wait.query_async(&mut conn),
+            )
+            .await?;
+            let acked = u32::try_from(acked).unwrap_or(0);
+            if acked < wanted {
+                self.release(&req.hold_ids(), Duration::ZERO).await?;
+                return Ok(Attempt::Unreplicated { acked, wanted });
+            }
+        }
         Ok(if held == 1 {
             Attempt::Held {
                 fence: u64::try_from(value).unwrap_or(0),
@@ -419,6 +448,7 @@ impl Backend {
                     held += 1;
                     fence = fence.max(f);
                 }
+                Ok(Attempt::Unreplicated { .. }) => {}
                 Ok(Attempt::Busy { holder_ttl }) => {
                     busy_for = match (busy_for, holder_ttl) {
                         (Some(a), Some(b)) => Some(a.min(b)),
@@ -452,13 +482,28 @@ impl Backend {
         }
     }
 
-    /// Gives back one hold; with several nodes, `true` when a majority released it.
+    /// Gives back one hold; with several nodes, `false` only when a majority did not hold it.
     pub(crate) async fn release(&self, ids: &HoldIds, keep: Duration) -> RedisResult<bool> {
         if let Some(node) = self.single() {
             return node.release(ids, keep).await;
         }
         let answers = join_all(self.nodes.iter().map(|n| n.release(ids, keep))).await;
-        self.majority(answers)
+        // Lost only when a majority positively did not hold it: a node that is down, or one
+        // that never granted this hold, is not evidence that the lease ended.
+        let (mut not_held, mut answered, mut error) = (0, 0, None);
+        for answer in answers {
+            match answer {
+                Ok(released) => {
+                    answered += 1;
+                    not_held += usize::from(!released);
+                }
+                Err(e) => error = Some(e),
+            }
+        }
+        match error {
+            Some(error) if answered < self.quorum => Err(error),
+            _ => Ok(not_held < self.quorum),
+        }
     }
 
     /// Sets the lease; with several nodes, `true` when a majority set it.

@@ -56,6 +56,21 @@ pub enum LockError {
         key: String,
     },
 
+    /// The lock was granted, but fewer replicas than `sync_replicas` asked for acknowledged
+    /// it in time, so it was given back: a failover could have lost it.
+    #[error(
+        "lock `{key}` was not acknowledged by enough replicas ({acked} of {wanted}) and was released"
+    )]
+    #[non_exhaustive]
+    NotReplicated {
+        /// The key as the caller named it.
+        key: String,
+        /// Replicas that acknowledged the write.
+        acked: u32,
+        /// Replicas asked for.
+        wanted: u32,
+    },
+
     /// Redis could not be reached or answered with an error.
     #[error("redis error on lock `{key}`: {source}")]
     #[non_exhaustive]
@@ -115,6 +130,7 @@ impl LockError {
             | Self::Lost { key }
             | Self::WouldDeadlock { key }
             | Self::Upgrade { key }
+            | Self::NotReplicated { key, .. }
             | Self::Redis { key, .. } => Some(key),
             _ => None,
         }

@@ -399,6 +399,14 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
                 in_flight.maybe_held = false;
                 (holder_ttl, None)
             }
+            Ok(Attempt::Unreplicated { acked, wanted }) => {
+                in_flight.maybe_held = false;
+                return Err(LockError::NotReplicated {
+                    key: plan.keys.name.clone(),
+                    acked,
+                    wanted,
+                });
+            }
             // A lost reply may hide a granted lock: the next attempt resends the same hold,
             // which the script recognises; `in_flight` releases it if none follows.
             Err(error) if is_transient(&error) => {

@@ -211,6 +211,7 @@ pub struct LockManagerBuilder {
     defaults: Defaults,
     connect_timeout: Duration,
     response_timeout: Duration,
+    sync_replicas: Option<(u32, Duration)>,
 }
 
 impl Default for LockManagerBuilder {
@@ -228,6 +229,7 @@ impl Default for LockManagerBuilder {
             },
             connect_timeout: Duration::from_secs(1),
             response_timeout: Duration::from_secs(1),
+            sync_replicas: None,
         }
     }
 }
@@ -312,6 +314,17 @@ impl LockManagerBuilder {
         self
     }
 
+    /// After every grant, wait (Redis `WAIT`) until `replicas` replicas have acknowledged it,
+    /// for at most `timeout`; with fewer acknowledgements the lock is given back and the
+    /// request fails with [`LockError::NotReplicated`]. This narrows the window in which a
+    /// failover to a replica loses a granted lock; it does not close it (WAIT is not
+    /// consensus: an acknowledged write can still be lost, and a replica that is promoted may
+    /// not be one that acknowledged).
+    pub fn sync_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.sync_replicas = Some((replicas, timeout));
+        self
+    }
+
     /// How long connecting to Redis may take (default 1 s).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
@@ -350,6 +363,7 @@ impl LockManagerBuilder {
         let options = ConnectOptions {
             connect_timeout: self.connect_timeout,
             response_timeout: self.response_timeout,
+            sync_replicas: self.sync_replicas,
         };
         // Connect from the caller's runtime, which is where its requests will come from.
         let connected = if tokio::runtime::Handle::try_current().is_ok() {
@@ -382,6 +396,13 @@ impl LockManagerBuilder {
             ("connect_timeout", self.connect_timeout),
             ("response_timeout", self.response_timeout),
         ];
+        if let Some((replicas, timeout)) = self.sync_replicas
+            && (replicas == 0 || timeout.is_zero())
+        {
+            return Err(LockError::Config(
+                "`sync_replicas` needs at least one replica and a timeout above zero".into(),
+            ));
+        }
         for (name, value) in positive {
             if value.is_zero() {
                 return Err(LockError::Config(format!(

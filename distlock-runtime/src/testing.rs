@@ -33,12 +33,70 @@ pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     binary: PathBuf,
+    extra: Vec<String>,
     child: Mutex<Option<Child>>,
 }
 
 impl RedisServer {
     /// Starts a server on a free loopback port and waits until it answers `PING`.
     pub fn start() -> io::Result<Self> {
+        Self::start_with(Vec::new())
+    }
+
+    /// Starts a replica of `master` and waits until the master sees it online. A restart
+    /// keeps it a replica of the same master; [`promote`](Self::promote) makes it a master.
+    pub fn start_replica_of(master: &RedisServer) -> io::Result<Self> {
+        let replica = Self::start_with(vec![
+            "--replicaof".into(),
+            "127.0.0.1".into(),
+            master.port.to_string(),
+        ])?;
+        let started = Instant::now();
+        let online = format!("port={},state=online", replica.port);
+        while !(replica
+            .command(&["INFO", "replication"])?
+            .contains("master_link_status:up")
+            && master.command(&["INFO", "replication"])?.contains(&online))
+        {
+            if started.elapsed() > START_TIMEOUT {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "replica did not sync",
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Online is not yet acknowledging: wait until a write is confirmed by WAIT.
+        while master
+            .commands(&[
+                &["PUBLISH", "distlock-harness", "sync"],
+                &["WAIT", "1", "1000"],
+            ])?
+            .last()
+            .map(String::as_str)
+            != Some(":1")
+        {
+            if started.elapsed() > START_TIMEOUT {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "replica does not acknowledge",
+                ));
+            }
+        }
+        Ok(replica)
+    }
+
+    /// Makes a replica a master (`REPLICAOF NO ONE`), as a failover does.
+    pub fn promote(&self) -> io::Result<()> {
+        let reply = self.command(&["REPLICAOF", "NO", "ONE"])?;
+        if reply.starts_with('+') {
+            Ok(())
+        } else {
+            Err(io::Error::other(format!("REPLICAOF NO ONE: {reply}")))
+        }
+    }
+
+    fn start_with(extra: Vec<String>) -> io::Result<Self> {
         let binary = find_binary()?;
         let mut last_error = None;
         // The port is free when chosen but another process may take it before redis-server
@@ -49,6 +107,7 @@ impl RedisServer {
                 port,
                 dir: scratch_dir(port)?,
                 binary: binary.clone(),
+                extra: extra.clone(),
                 child: Mutex::new(None),
             };
             match server.launch() {
@@ -117,12 +176,21 @@ impl RedisServer {
     pub fn command(&self, args: &[&str]) -> io::Result<String> {
         let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
         stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-        let mut request = format!("*{}\r\n", args.len());
-        for arg in args {
-            request.push_str(&format!("${}\r\n{arg}\r\n", arg.len()));
-        }
-        stream.write_all(request.as_bytes())?;
+        stream.write_all(encode(args).as_bytes())?;
         read_reply(&mut stream)
+    }
+
+    /// Sends several commands on one connection, in order, and returns their raw replies
+    /// (for commands such as `WAIT` that concern the connection's own writes).
+    pub fn commands(&self, commands: &[&[&str]]) -> io::Result<Vec<String>> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let mut replies = Vec::with_capacity(commands.len());
+        for args in commands {
+            stream.write_all(encode(args).as_bytes())?;
+            replies.push(read_reply(&mut stream)?);
+        }
+        Ok(replies)
     }
 
     fn launch(&self) -> io::Result<()> {
@@ -141,6 +209,9 @@ impl RedisServer {
             .args(["--protected-mode", "no", "--loglevel", "warning"])
             .arg("--dir")
             .arg(&self.dir)
+            // Replicas sync at once instead of after the default 5 s delay.
+            .args(["--repl-diskless-sync-delay", "0"])
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -203,6 +274,15 @@ impl Drop for RedisServer {
         let _ = self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// One command in RESP.
+fn encode(args: &[&str]) -> String {
+    let mut request = format!("*{}\r\n", args.len());
+    for arg in args {
+        request.push_str(&format!("${}\r\n{arg}\r\n", arg.len()));
+    }
+    request
 }
 
 fn find_binary() -> io::Result<PathBuf> {
