@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -48,7 +49,9 @@ pub(crate) struct Node {
 }
 
 struct Pool {
-    client: Client,
+    /// Where the connections go; replaced when Sentinel names a new master.
+    client: Mutex<Client>,
+    sentinel: Option<Sentinel>,
     config: ConnectionManagerConfig,
     response_timeout: Duration,
     connect_timeout: Duration,
@@ -76,7 +79,8 @@ impl Node {
             .set_max_delay(Duration::from_millis(200));
         let node = Self {
             pool: Arc::new(Pool {
-                client,
+                client: Mutex::new(client),
+                sentinel: None,
                 config,
                 response_timeout: options.response_timeout,
                 connect_timeout: options.connect_timeout,
@@ -85,6 +89,87 @@ impl Node {
             }),
         };
         Ok(node)
+    }
+
+    /// The master that the Sentinels at `sentinels` name `master`; it follows failovers: a
+    /// connection error or a READONLY answer makes it ask the Sentinels again.
+    pub(crate) async fn sentinel(
+        sentinels: &[String],
+        master: &str,
+        options: ConnectOptions,
+    ) -> RedisResult<Self> {
+        let source = Sentinel {
+            sentinels: sentinels.to_vec(),
+            master: master.to_owned(),
+            refreshing: AtomicBool::new(false),
+        };
+        let url = source.resolve(options.connect_timeout).await?;
+        let mut node = Self::new(&url, options)?;
+        Arc::get_mut(&mut node.pool)
+            .expect("not shared yet")
+            .sentinel = Some(source);
+        Ok(node)
+    }
+
+    fn client(&self) -> Client {
+        self.pool
+            .client
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Passes `result` through; an error that may mean a failover makes a Sentinel-managed
+    /// node look for the current master in the background.
+    fn watch<T>(&self, result: RedisResult<T>) -> RedisResult<T> {
+        if let (Err(error), Some(sentinel)) = (&result, &self.pool.sentinel) {
+            let failover = error.is_io_error()
+                || error.is_timeout()
+                || error.is_connection_refusal()
+                || error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly);
+            if failover && !sentinel.refreshing.swap(true, Ordering::AcqRel) {
+                let node = self.clone();
+                if let Ok(runtime) = runtime::Handle::try_current() {
+                    drop(runtime.spawn(async move { node.follow_master().await }));
+                } else {
+                    sentinel.refreshing.store(false, Ordering::Release);
+                }
+            }
+        }
+        result
+    }
+
+    async fn follow_master(&self) {
+        let Some(sentinel) = &self.pool.sentinel else {
+            return;
+        };
+        match sentinel.resolve(self.pool.connect_timeout).await {
+            Ok(url) => match Client::open(url.as_str()) {
+                Ok(client) => {
+                    let moved = {
+                        let mut current =
+                            self.pool.client.lock().unwrap_or_else(|e| e.into_inner());
+                        let moved = current.get_connection_info().addr()
+                            != client.get_connection_info().addr();
+                        if moved {
+                            *current = client;
+                        }
+                        moved
+                    };
+                    if moved {
+                        tracing::info!(master = %url, "following the new master");
+                        self.pool
+                            .by_runtime
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .clear();
+                    }
+                }
+                Err(error) => tracing::warn!(%error, "bad master address from Sentinel"),
+            },
+            Err(error) => tracing::debug!(%error, "no master from Sentinel yet"),
+        }
+        sentinel.refreshing.store(false, Ordering::Release);
     }
 
     /// Connects from the current runtime and loads every script.
@@ -110,10 +195,8 @@ impl Node {
         if let Some(conn) = conns.get(&id) {
             return Ok(conn.clone());
         }
-        let conn = ConnectionManager::new_lazy_with_config(
-            self.pool.client.clone(),
-            self.pool.config.clone(),
-        )?;
+        let conn =
+            ConnectionManager::new_lazy_with_config(self.client(), self.pool.config.clone())?;
         conns.insert(id, conn.clone());
         Ok(conn)
     }
@@ -168,7 +251,8 @@ impl Node {
                 call
             }
         };
-        let (held, value): (i64, i64) = self.bounded(call.invoke_async(&mut conn)).await?;
+        let (held, value): (i64, i64) =
+            self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
         if held == 1
             && let Some((wanted, timeout)) = self.pool.sync_replicas
         {
@@ -230,7 +314,7 @@ impl Node {
                 call
             }
         };
-        let released: i64 = self.bounded(call.invoke_async(&mut conn)).await?;
+        let released: i64 = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
         Ok(released == 1)
     }
 
@@ -249,7 +333,7 @@ impl Node {
             call.key(share);
         }
         call.arg(token).arg(millis(lease));
-        let extended: i64 = self.bounded(call.invoke_async(&mut conn)).await?;
+        let extended: i64 = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
         Ok(extended == 1)
     }
 
@@ -263,17 +347,13 @@ impl Node {
                 .arg(item.token)
                 .arg(millis(item.lease));
         }
-        let renewed: Vec<i64> = self.bounded(call.invoke_async(&mut conn)).await?;
+        let renewed: Vec<i64> = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
         Ok(renewed.into_iter().map(|r| r == 1).collect())
     }
 
     /// A new pub/sub connection, opened from the current runtime.
     pub(crate) async fn pubsub(&self) -> RedisResult<redis::aio::PubSub> {
-        bounded(
-            self.pool.connect_timeout,
-            self.pool.client.get_async_pubsub(),
-        )
-        .await
+        bounded(self.pool.connect_timeout, self.client().get_async_pubsub()).await
     }
 
     /// Whether `token` still owns `lock` (for a share: whether the share's lease lives).
@@ -288,11 +368,47 @@ impl Node {
             Some(share) => redis::cmd("EXISTS").arg(share).to_owned(),
             None => redis::cmd("HEXISTS").arg(lock).arg(token).to_owned(),
         };
-        self.bounded(cmd.query_async(&mut conn)).await
+        self.watch(self.bounded(cmd.query_async(&mut conn)).await)
     }
 
     async fn bounded<T>(&self, op: impl Future<Output = RedisResult<T>>) -> RedisResult<T> {
         bounded(self.pool.response_timeout, op).await
+    }
+}
+
+/// Where a Sentinel-managed master is found.
+struct Sentinel {
+    sentinels: Vec<String>,
+    master: String,
+    refreshing: AtomicBool,
+}
+
+impl Sentinel {
+    /// Asks the Sentinels, in turn, for the master's address: `redis://host:port`.
+    async fn resolve(&self, limit: Duration) -> RedisResult<String> {
+        let mut last = None;
+        for url in &self.sentinels {
+            let ask = async {
+                let client = Client::open(url.as_str())?;
+                let mut conn = client.get_multiplexed_async_connection().await?;
+                let addr: Option<(String, u16)> = redis::cmd("SENTINEL")
+                    .arg("get-master-addr-by-name")
+                    .arg(&self.master)
+                    .query_async(&mut conn)
+                    .await?;
+                addr.ok_or_else(|| {
+                    RedisError::from(io::Error::other(format!(
+                        "Sentinel knows no master named `{}`",
+                        self.master
+                    )))
+                })
+            };
+            match bounded(limit, ask).await {
+                Ok((host, port)) => return Ok(format!("redis://{host}:{port}")),
+                Err(error) => last = Some(error),
+            }
+        }
+        Err(last.unwrap_or_else(|| io::Error::other("no Sentinel given").into()))
     }
 }
 
@@ -395,6 +511,21 @@ pub(crate) struct Backend {
 }
 
 impl Backend {
+    /// Connects to the master that the Sentinels at `sentinels` name `master`, and follows it
+    /// through failovers.
+    pub(crate) async fn connect_sentinel(
+        sentinels: &[String],
+        master: &str,
+        options: ConnectOptions,
+    ) -> RedisResult<Self> {
+        let node = Node::sentinel(sentinels, master, options).await?;
+        node.load_scripts().await?;
+        Ok(Self {
+            nodes: Arc::from([node]),
+            quorum: 1,
+        })
+    }
+
     /// Connects to every URL; with several, a majority must answer.
     pub(crate) async fn connect(urls: &[String], options: ConnectOptions) -> RedisResult<Self> {
         let nodes = urls

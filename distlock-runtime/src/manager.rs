@@ -207,6 +207,7 @@ impl fmt::Debug for LockManager {
 pub struct LockManagerBuilder {
     urls: Vec<String>,
     redlock: bool,
+    sentinel_master: Option<String>,
     prefix: String,
     defaults: Defaults,
     connect_timeout: Duration,
@@ -219,6 +220,7 @@ impl Default for LockManagerBuilder {
         Self {
             urls: Vec::new(),
             redlock: false,
+            sentinel_master: None,
             prefix: "distlock:".to_owned(),
             defaults: Defaults {
                 ttl: Duration::from_secs(30),
@@ -255,6 +257,25 @@ impl LockManagerBuilder {
     pub fn redis_url(mut self, url: impl Into<String>) -> Self {
         self.urls = vec![url.into()];
         self.redlock = false;
+        self.sentinel_master = None;
+        self
+    }
+
+    /// A master managed by Redis Sentinel: the Sentinels at `sentinels` are asked for the
+    /// address of `master_name`, and asked again when the master stops answering or answers
+    /// READONLY (it was demoted), so the manager follows failovers. Replaces `redis_url`.
+    ///
+    /// During a failover, requests fail with [`LockError::Redis`] (never succeed against a
+    /// read-only replica) until the new master is known. A failover can lose a lock that was
+    /// not yet replicated: see [`sync_replicas`](Self::sync_replicas).
+    pub fn sentinel<I, S>(mut self, sentinels: I, master_name: impl Into<String>) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.urls = sentinels.into_iter().map(Into::into).collect();
+        self.redlock = false;
+        self.sentinel_master = Some(master_name.into());
         self
     }
 
@@ -272,6 +293,7 @@ impl LockManagerBuilder {
     {
         self.urls = urls.into_iter().map(Into::into).collect();
         self.redlock = true;
+        self.sentinel_master = None;
         self
     }
 
@@ -366,12 +388,17 @@ impl LockManagerBuilder {
             sync_replicas: self.sync_replicas,
         };
         // Connect from the caller's runtime, which is where its requests will come from.
+        let master = self.sentinel_master.clone();
+        let connect = async move {
+            match master {
+                Some(master) => Backend::connect_sentinel(&urls, &master, options).await,
+                None => Backend::connect(&urls, options).await,
+            }
+        };
         let connected = if tokio::runtime::Handle::try_current().is_ok() {
-            Backend::connect(&urls, options).await
+            connect.await
         } else {
-            driver
-                .run(async move { Backend::connect(&urls, options).await })
-                .await?
+            driver.run(connect).await?
         };
         let backend =
             connected.map_err(|e| LockError::Config(format!("cannot connect to {target}: {e}")))?;

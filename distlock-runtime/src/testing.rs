@@ -34,6 +34,8 @@ pub struct RedisServer {
     dir: PathBuf,
     binary: PathBuf,
     extra: Vec<String>,
+    /// Runs as a Sentinel monitoring this (name, master port, quorum).
+    sentinel: Option<(String, u16, u32)>,
     child: Mutex<Option<Child>>,
 }
 
@@ -96,7 +98,18 @@ impl RedisServer {
         }
     }
 
+    /// Starts a Sentinel that monitors `master` as `name` with the given quorum, and notices a
+    /// failed master quickly (down after 300 ms). Several Sentinels started for one master find
+    /// each other through it.
+    pub fn start_sentinel(master: &RedisServer, name: &str, quorum: u32) -> io::Result<Self> {
+        Self::start_as(Vec::new(), Some((name.to_owned(), master.port, quorum)))
+    }
+
     fn start_with(extra: Vec<String>) -> io::Result<Self> {
+        Self::start_as(extra, None)
+    }
+
+    fn start_as(extra: Vec<String>, sentinel: Option<(String, u16, u32)>) -> io::Result<Self> {
         let binary = find_binary()?;
         let mut last_error = None;
         // The port is free when chosen but another process may take it before redis-server
@@ -108,6 +121,7 @@ impl RedisServer {
                 dir: scratch_dir(port)?,
                 binary: binary.clone(),
                 extra: extra.clone(),
+                sentinel: sentinel.clone(),
                 child: Mutex::new(None),
             };
             match server.launch() {
@@ -195,23 +209,42 @@ impl RedisServer {
 
     fn launch(&self) -> io::Result<()> {
         let port = self.port.to_string();
-        let mut child = Command::new(&self.binary)
-            .args([
-                "--port",
-                &port,
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .args(["--protected-mode", "no", "--loglevel", "warning"])
-            .arg("--dir")
-            .arg(&self.dir)
-            // Replicas sync at once instead of after the default 5 s delay.
-            .args(["--repl-diskless-sync-delay", "0"])
-            .args(&self.extra)
+        let mut command = Command::new(&self.binary);
+        if let Some((name, master, quorum)) = &self.sentinel {
+            // A Sentinel takes its configuration file first and rewrites it as it learns.
+            let config = self.dir.join("sentinel.conf");
+            std::fs::write(
+                &config,
+                format!(
+                    "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                     sentinel monitor {name} 127.0.0.1 {master} {quorum}\n\
+                     sentinel down-after-milliseconds {name} 300\n\
+                     sentinel failover-timeout {name} 2000\n\
+                     sentinel parallel-syncs {name} 1\n",
+                    dir = self.dir.display()
+                ),
+            )?;
+            command.arg(&config).arg("--sentinel");
+        } else {
+            command
+                .args([
+                    "--port",
+                    &port,
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                .args(["--protected-mode", "no", "--loglevel", "warning"])
+                .arg("--dir")
+                .arg(&self.dir)
+                // Replicas sync at once instead of after the default 5 s delay.
+                .args(["--repl-diskless-sync-delay", "0"])
+                .args(&self.extra);
+        }
+        let mut child = command
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -1,0 +1,112 @@
+//! Sentinel: the manager finds the master through the Sentinels and follows a failover.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use distlock::testing::RedisServer;
+use distlock::{LockError, LockManager};
+
+const MASTER: &str = "locks";
+
+/// Waits (bounded) until every Sentinel knows the replica and the other Sentinels, which a
+/// failover needs.
+fn wait_until_ready(sentinels: &[RedisServer]) {
+    let started = Instant::now();
+    loop {
+        let ready = sentinels.iter().all(|s| {
+            let others = s
+                .command(&["SENTINEL", "SENTINELS", MASTER])
+                .unwrap_or_default();
+            let replicas = s
+                .command(&["SENTINEL", "REPLICAS", MASTER])
+                .unwrap_or_default();
+            others.matches("runid").count() == sentinels.len() - 1 && replicas.contains("slave")
+        });
+        if ready {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "Sentinels did not find each other"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[tokio::test]
+async fn the_manager_follows_a_failover() {
+    let master = RedisServer::start().unwrap();
+    let replica = RedisServer::start_replica_of(&master).unwrap();
+    let sentinels: Vec<RedisServer> = (0..3)
+        .map(|_| RedisServer::start_sentinel(&master, MASTER, 2).unwrap())
+        .collect();
+    wait_until_ready(&sentinels);
+
+    let locks = LockManager::builder()
+        .sentinel(sentinels.iter().map(RedisServer::url), MASTER)
+        .key_prefix("sentinel:")
+        .response_timeout(Duration::from_millis(300))
+        .connect_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    locks
+        .lock("before")
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+
+    master.kill().unwrap();
+    let killed = Instant::now();
+    let mut failures = 0;
+    let guard = loop {
+        match locks
+            .lock("after")
+            .ttl(Duration::from_secs(30))
+            .try_acquire()
+            .await
+        {
+            Ok(Some(guard)) => break guard,
+            Ok(None) => panic!("nobody else holds `after`"),
+            Err(LockError::Redis { .. }) => failures += 1,
+            Err(other) => panic!("{other}"),
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(20),
+            "no new master after {failures} attempts"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let recovered = killed.elapsed();
+    assert!(failures > 0, "the old master was really gone");
+    // The grant is on the promoted replica, the only server left that accepts writes.
+    let on_new_master = replica
+        .command(&["EXISTS", &locks.redis_key("after")])
+        .unwrap();
+    assert_eq!(on_new_master, ":1");
+    assert!(replica.command(&["ROLE"]).unwrap().starts_with("master"));
+    guard.release().await.unwrap();
+    assert!(
+        recovered < Duration::from_secs(5),
+        "acquisitions worked again after {recovered:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_unknown_master_name_is_a_configuration_error() {
+    let master = RedisServer::start().unwrap();
+    let sentinel = RedisServer::start_sentinel(&master, MASTER, 1).unwrap();
+    let outcome = LockManager::builder()
+        .sentinel([sentinel.url()], "no-such-master")
+        .connect_timeout(Duration::from_millis(300))
+        .build()
+        .await;
+    match outcome {
+        Err(LockError::Config(message)) => assert!(message.contains("no-such-master"), "{message}"),
+        other => panic!("expected a configuration error, got {other:?}"),
+    }
+}
