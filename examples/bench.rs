@@ -1,7 +1,8 @@
 //! Throughput and waiting, measured against a raw client in the same run.
 //!
-//! Run it with `cargo run --release --example bench` (add `-- --quick` for a short run). It
-//! starts its own `redis-server` (which must be on `PATH`) and prints one table.
+//! Run it with `cargo run --release --example bench` (add `-- --quick` for a short run, or
+//! `-- --soak 1000000` to check that a million cycles leave nothing behind). It starts its own
+//! `redis-server` (which must be on `PATH`) and prints one table.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -246,9 +247,79 @@ fn used_memory(server: &RedisServer) -> u64 {
         .unwrap_or(0)
 }
 
+/// `--soak N`: N acquire/release cycles by 32 tasks on 4 keys across 2 managers, then what
+/// is left: lock keys, subscriptions, local waiter entries and server memory.
+async fn soak(cycles: u64) -> Result<(), Box<dyn std::error::Error>> {
+    let server = RedisServer::start()?;
+    let url = server.url();
+    let memory_before = used_memory(&server);
+    let mut managers = Vec::new();
+    for _ in 0..2 {
+        managers.push(
+            LockManager::builder()
+                .redis_url(&url)
+                .key_prefix("soak:")
+                .build()
+                .await?,
+        );
+    }
+    let done = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for t in 0..32u64 {
+        let (locks, done) = (managers[(t % 2) as usize].clone(), done.clone());
+        set.spawn(async move {
+            while done.fetch_add(1, Ordering::Relaxed) < cycles {
+                let key = format!("k{}", t % 4);
+                let guard = locks
+                    .lock(key)
+                    .wait(Duration::from_secs(30))
+                    .acquire()
+                    .await
+                    .unwrap();
+                guard.release().await.unwrap();
+            }
+        });
+    }
+    while let Some(task) = set.join_next().await {
+        task?;
+    }
+    let elapsed = started.elapsed();
+    // Unsubscribing happens in the background right after the last waiter leaves.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let channels = server.command(&["PUBSUB", "CHANNELS", "*"])?;
+    let keys = server.command(&["DBSIZE"])?;
+    println!("{cycles} acquire/release cycles (32 tasks, 4 keys, 2 managers) in {elapsed:.1?}");
+    println!("keys left in Redis: {}", keys.trim_start_matches(':'));
+    println!(
+        "subscribed channels left: {}",
+        channels.lines().filter(|l| !l.is_empty()).count()
+    );
+    println!(
+        "local waiter entries left: {}",
+        managers
+            .iter()
+            .map(|m| m.stats().waiting_keys)
+            .sum::<usize>()
+    );
+    println!(
+        "server memory: {:+} bytes vs. start",
+        used_memory(&server) as i64 - memory_before as i64
+    );
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(at) = args.iter().position(|a| a == "--soak") {
+        let cycles = args
+            .get(at + 1)
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(1_000_000);
+        return soak(cycles).await;
+    }
+    let quick = args.iter().any(|a| a == "--quick");
     let run = if quick {
         Duration::from_millis(500)
     } else {

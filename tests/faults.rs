@@ -5,7 +5,7 @@ mod support;
 
 use std::time::Duration;
 
-use distlock::testing::RedisServer;
+use distlock::testing::{Fault, FaultProxy, RedisServer};
 use distlock::{LockError, LockManager};
 use support::{keys, manager};
 
@@ -157,4 +157,85 @@ async fn credentials_never_appear_in_errors() {
     let text = format!("{error} {error:?}");
     assert!(!text.contains("hunter2"), "{text}");
     assert!(text.contains("***@127.0.0.1"), "{text}");
+}
+
+async fn through(proxy: &FaultProxy) -> LockManager {
+    LockManager::builder()
+        .redis_url(proxy.url())
+        .key_prefix("proxy:")
+        .response_timeout(Duration::from_millis(500))
+        .connect_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn latency_blackhole_and_reset_on_the_network() {
+    let server = RedisServer::start().unwrap();
+    let proxy = FaultProxy::start(server.port()).unwrap();
+    let locks = through(&proxy).await;
+
+    proxy.set(Fault::Latency(Duration::from_millis(50)));
+    let guard = locks
+        .lock("k")
+        .acquire()
+        .await
+        .expect("slow but within the response timeout");
+    guard.release().await.unwrap();
+
+    // The request may get through with its reply cut off: keep its lease short, since a lock
+    // stranded by a partition is only freed by its lease.
+    proxy.set(Fault::Blackhole);
+    let blocked = locks.lock("k").ttl(Duration::from_millis(300)).acquire();
+    let outcome = tokio::time::timeout(HANG, blocked).await.expect("no hang");
+    assert!(redis_error(outcome).is_timeout());
+
+    // Connections cut while partitioned: what was held back is never delivered.
+    proxy.reset();
+    proxy.set(Fault::Pass);
+    let guard = tokio::time::timeout(
+        HANG,
+        locks
+            .lock("k")
+            .wait(Duration::from_secs(5))
+            .retry_delay(Duration::from_millis(20))
+            .acquire(),
+    )
+    .await
+    .expect("no hang")
+    .expect("works again over fresh connections");
+    guard.release().await.unwrap();
+}
+
+/// One RedLock master behind a blackhole costs at most its per-node timeout (a tenth of the
+/// lease), not the response timeout.
+#[tokio::test]
+async fn a_blackholed_redlock_master_costs_only_its_node_timeout() {
+    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start().unwrap()).collect();
+    let proxy = FaultProxy::start(servers[2].port()).unwrap();
+    let urls = [servers[0].url(), servers[1].url(), proxy.url()];
+    let locks = LockManager::builder()
+        .redlock(urls)
+        .response_timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .unwrap();
+    proxy.set(Fault::Blackhole);
+    let ttl = Duration::from_secs(1);
+    let started = std::time::Instant::now();
+    let guard = locks
+        .lock("k")
+        .ttl(ttl)
+        .acquire()
+        .await
+        .expect("a majority is reachable");
+    let took = started.elapsed();
+    assert!(
+        took < ttl / 10 + Duration::from_millis(300),
+        "took {took:?}"
+    );
+    assert!(guard.remaining() <= ttl - ttl / 100 - Duration::from_millis(2));
+    proxy.set(Fault::Pass);
+    guard.release().await.unwrap();
 }

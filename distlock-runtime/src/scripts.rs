@@ -214,7 +214,8 @@ mod tests {
 
     #[tokio::test]
     async fn scripts_reload_after_a_flush() {
-        let server = RedisServer::shared().unwrap();
+        // Its own server: a flush would race the other tests' scripts.
+        let server = RedisServer::start().unwrap();
         let mut conn = connect(&server).await;
         let _: () = redis::cmd("SCRIPT")
             .arg("FLUSH")
