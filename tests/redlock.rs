@@ -221,3 +221,48 @@ async fn exclusion_holds_with_a_master_down() {
     }
     assert_eq!(entries.load(Ordering::SeqCst), 120);
 }
+
+/// The scenario RedLock's delayed restart exists for: a lock held on masters A and B (C was
+/// down), then C comes back and B restarts, both empty. Counting them again at once would
+/// let a second client win B and C; kept out for the restart delay, they cannot.
+#[tokio::test]
+async fn a_restarted_master_stays_out_of_the_quorum() {
+    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start().unwrap()).collect();
+    let build = |delay: Duration| {
+        LockManager::builder()
+            .redlock(servers.iter().map(RedisServer::url))
+            .response_timeout(Duration::from_millis(300))
+            .connect_timeout(Duration::from_millis(300))
+            .redlock_restart_delay(delay)
+            .build()
+    };
+    let first = build(Duration::from_secs(60)).await.unwrap();
+    let second = build(Duration::from_secs(60)).await.unwrap();
+
+    servers[2].kill().unwrap();
+    let held = first
+        .lock("k")
+        .ttl(Duration::from_secs(30))
+        .try_acquire()
+        .await
+        .unwrap();
+    let held = held.expect("A and B are a majority");
+    // C comes back (empty: it was down), and B restarts empty.
+    servers[2].restart().unwrap();
+    servers[1].restart().unwrap();
+
+    // The second client's connections to B and C broke: it checks their run_ids, finds both
+    // restarted, and does not count them.
+    for _ in 0..5 {
+        let outcome = second
+            .lock("k")
+            .ttl(Duration::from_secs(30))
+            .try_acquire()
+            .await;
+        assert!(
+            !matches!(outcome, Ok(Some(_))),
+            "granted twice: {outcome:?}"
+        );
+    }
+    held.release().await.unwrap();
+}

@@ -35,6 +35,8 @@ pub(crate) struct ConnectOptions {
     pub(crate) response_timeout: Duration,
     /// After each grant, WAIT for this many replicas, this long.
     pub(crate) sync_replicas: Option<(u32, Duration)>,
+    /// How long a RedLock master that restarted stays out of quorums.
+    pub(crate) restart_delay: Duration,
 }
 
 /// One Redis server (or anything that speaks to one endpoint).
@@ -52,6 +54,9 @@ struct Pool {
     /// Where the connections go; replaced when Sentinel names a new master.
     client: Mutex<Client>,
     sentinel: Option<Sentinel>,
+    /// For RedLock masters: is this still the server we knew (its run_id)?
+    identity: Mutex<Identity>,
+    restart_delay: Duration,
     config: ConnectionManagerConfig,
     response_timeout: Duration,
     connect_timeout: Duration,
@@ -81,6 +86,8 @@ impl Node {
             pool: Arc::new(Pool {
                 client: Mutex::new(client),
                 sentinel: None,
+                identity: Mutex::new(Identity::default()),
+                restart_delay: options.restart_delay,
                 config,
                 response_timeout: options.response_timeout,
                 connect_timeout: options.connect_timeout,
@@ -119,9 +126,17 @@ impl Node {
             .clone()
     }
 
-    /// Passes `result` through; an error that may mean a failover makes a Sentinel-managed
-    /// node look for the current master in the background.
+    /// Passes `result` through. An error that may mean a failover makes a Sentinel-managed
+    /// node look for the current master in the background; a lost connection makes a node
+    /// suspect of having restarted until its run_id is checked.
     fn watch<T>(&self, result: RedisResult<T>) -> RedisResult<T> {
+        if let Err(error) = &result
+            && (error.is_io_error()
+                || error.is_connection_dropped()
+                || error.is_connection_refusal())
+        {
+            self.lock_identity().suspect = true;
+        }
         if let (Err(error), Some(sentinel)) = (&result, &self.pool.sentinel) {
             let failover = error.is_io_error()
                 || error.is_timeout()
@@ -172,14 +187,68 @@ impl Node {
         sentinel.refreshing.store(false, Ordering::Release);
     }
 
-    /// Connects from the current runtime and loads every script.
+    /// Connects from the current runtime, loads every script and notes the server's run_id.
     pub(crate) async fn load_scripts(&self) -> RedisResult<()> {
         let mut conn = self.conn()?;
         let limit = self.pool.connect_timeout * 3;
         for script in scripts::all() {
             bounded(limit, script.prepare_invoke().load_async(&mut conn)).await?;
         }
+        let run_id = self.run_id().await?;
+        self.lock_identity().run_id = Some(run_id);
         Ok(())
+    }
+
+    fn lock_identity(&self) -> std::sync::MutexGuard<'_, Identity> {
+        self.pool.identity.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn run_id(&self) -> RedisResult<String> {
+        let mut conn = self.conn()?;
+        let info: String = self.watch(
+            bounded(
+                self.pool.response_timeout,
+                redis::cmd("INFO").arg("server").query_async(&mut conn),
+            )
+            .await,
+        )?;
+        info.lines()
+            .find_map(|line| line.strip_prefix("run_id:"))
+            .map(|id| id.trim().to_owned())
+            .ok_or_else(|| io::Error::other("INFO server without run_id").into())
+    }
+
+    /// Whether this RedLock master may count towards a quorum now. A master that lost its
+    /// connection is checked first: if it restarted (new run_id, so possibly empty), it stays
+    /// out for the restart delay, so that it cannot grant again a lock it has forgotten while
+    /// that lock's lease may still run elsewhere.
+    pub(crate) async fn eligible(&self) -> bool {
+        let (suspect, known) = {
+            let identity = self.lock_identity();
+            if identity
+                .excluded_until
+                .is_some_and(|until| std::time::Instant::now() < until)
+            {
+                return false;
+            }
+            (identity.suspect, identity.run_id.clone())
+        };
+        if !suspect && known.is_some() {
+            return true;
+        }
+        let Ok(current) = self.run_id().await else {
+            return false;
+        };
+        let mut identity = self.lock_identity();
+        identity.suspect = false;
+        if known.is_some_and(|known| known != current) {
+            tracing::warn!(delay = ?self.pool.restart_delay, "a RedLock master restarted: kept out of quorums");
+            identity.excluded_until = Some(std::time::Instant::now() + self.pool.restart_delay);
+        }
+        identity.run_id = Some(current);
+        identity
+            .excluded_until
+            .is_none_or(|until| std::time::Instant::now() >= until)
     }
 
     /// The connection of the current tokio runtime, opened (lazily) on first use.
@@ -376,6 +445,16 @@ impl Node {
     }
 }
 
+/// What a node knows about the server behind it.
+#[derive(Debug, Default)]
+struct Identity {
+    run_id: Option<String>,
+    /// The connection was lost: the server may have restarted.
+    suspect: bool,
+    /// Restarted: not counted in quorums until then.
+    excluded_until: Option<std::time::Instant>,
+}
+
 /// Where a Sentinel-managed master is found.
 struct Sentinel {
     sentinels: Vec<String>,
@@ -565,7 +644,19 @@ impl Backend {
         // A node that does not answer within a small part of the lease is counted as lost.
         let limit = (req.lease / 10).clamp(Duration::from_millis(10), Duration::from_secs(1));
         let started = std::time::Instant::now();
-        let answers = join_all(self.nodes.iter().map(|n| bounded(limit, n.acquire(req)))).await;
+        let eligible = join_all(self.nodes.iter().map(Node::eligible)).await;
+        let attempts = self
+            .nodes
+            .iter()
+            .zip(&eligible)
+            .map(|(node, eligible)| async move {
+                if *eligible {
+                    bounded(limit, node.acquire(req)).await
+                } else {
+                    Err(io::Error::other("master out of quorum after a restart").into())
+                }
+            });
+        let answers = join_all(attempts).await;
         let elapsed = started.elapsed();
         let drift = req.lease / 100 + Duration::from_millis(2);
         let mut held = 0;

@@ -213,6 +213,7 @@ pub struct LockManagerBuilder {
     connect_timeout: Duration,
     response_timeout: Duration,
     sync_replicas: Option<(u32, Duration)>,
+    restart_delay: Option<Duration>,
 }
 
 impl Default for LockManagerBuilder {
@@ -232,6 +233,7 @@ impl Default for LockManagerBuilder {
             connect_timeout: Duration::from_secs(1),
             response_timeout: Duration::from_secs(1),
             sync_replicas: None,
+            restart_delay: None,
         }
     }
 }
@@ -336,6 +338,15 @@ impl LockManagerBuilder {
         self
     }
 
+    /// With `redlock`: how long a master that restarted (its run_id changed, so it may have
+    /// lost its data) is kept out of quorums, counted from when the restart is noticed
+    /// (default: the default TTL; set it to the longest lease in use). A restart is noticed
+    /// when a connection to the master breaks, which a restart always does.
+    pub fn redlock_restart_delay(mut self, delay: Duration) -> Self {
+        self.restart_delay = Some(delay);
+        self
+    }
+
     /// After every grant, wait (Redis `WAIT`) until `replicas` replicas have acknowledged it,
     /// for at most `timeout`; with fewer acknowledgements the lock is given back and the
     /// request fails with [`LockError::NotReplicated`]. This narrows the window in which a
@@ -386,6 +397,7 @@ impl LockManagerBuilder {
             connect_timeout: self.connect_timeout,
             response_timeout: self.response_timeout,
             sync_replicas: self.sync_replicas,
+            restart_delay: self.restart_delay.unwrap_or(self.defaults.ttl),
         };
         // Connect from the caller's runtime, which is where its requests will come from.
         let master = self.sentinel_master.clone();
