@@ -21,9 +21,11 @@ static INSTALLED: OnceLock<LockManager> = OnceLock::new();
 /// to clone: an `Arc` inside) or [`install`](Self::install) it as the default that
 /// `#[distributed_lock]` uses.
 ///
-/// A manager owns one background thread that drives its connection and finishes releases
-/// that were handed off by dropped guards. It can be used from any tokio runtime, not only the
-/// one that built it; the thread stops when the last clone (and the last guard) is dropped.
+/// A manager opens one connection per tokio runtime that uses it (so it works from any
+/// runtime, not only the one that built it; the runtime needs its timer enabled, as
+/// `#[tokio::main]` and `#[tokio::test]` do), and owns one background thread for the lease
+/// watchdog, the pub/sub connection that wakes waiters, and releases made outside any runtime.
+/// The thread stops when the last clone (and the last guard) is dropped.
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), distlock_runtime::LockError> {
@@ -247,6 +249,10 @@ impl fmt::Debug for LockManagerBuilder {
             )
             .field("key_prefix", &self.prefix)
             .field("defaults", &self.defaults)
+            .field("redlock", &self.redlock)
+            .field("sentinel_master", &self.sentinel_master)
+            .field("sync_replicas", &self.sync_replicas)
+            .field("redlock_restart_delay", &self.restart_delay)
             .field("connect_timeout", &self.connect_timeout)
             .field("response_timeout", &self.response_timeout)
             .finish()
