@@ -13,6 +13,8 @@ use futures_util::future::join_all;
 use tokio::runtime;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
 use redis::{Client, RedisError, RedisResult};
 
 use crate::scripts;
@@ -61,7 +63,47 @@ struct Pool {
     response_timeout: Duration,
     connect_timeout: Duration,
     sync_replicas: Option<(u32, Duration)>,
-    by_runtime: Mutex<HashMap<runtime::Id, ConnectionManager>>,
+    by_runtime: Mutex<HashMap<runtime::Id, Conn>>,
+    /// Set for a Redis Cluster: connections follow the slot map (MOVED, ASK, failovers).
+    cluster: Option<ClusterClient>,
+}
+
+/// A connection of one runtime: to one server, or to a whole Cluster.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for Conn {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Self::Single(conn) => conn.req_packed_command(cmd),
+            Self::Cluster(conn) => conn.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Self::Single(conn) => conn.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(conn) => conn.get_db(),
+            Self::Cluster(conn) => conn.get_db(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Node {
@@ -88,6 +130,7 @@ impl Node {
                 sentinel: None,
                 identity: Mutex::new(Identity::default()),
                 restart_delay: options.restart_delay,
+                cluster: None,
                 config,
                 response_timeout: options.response_timeout,
                 connect_timeout: options.connect_timeout,
@@ -116,6 +159,26 @@ impl Node {
             .expect("not shared yet")
             .sentinel = Some(source);
         Ok(node)
+    }
+
+    /// A Redis Cluster reached through `seeds`; nothing is sent until it is used.
+    pub(crate) fn cluster(seeds: &[String], options: ConnectOptions) -> RedisResult<Self> {
+        let first = seeds
+            .first()
+            .ok_or_else(|| RedisError::from(io::Error::other("no Cluster seed given")))?;
+        let cluster = ClusterClient::builder(seeds.to_vec())
+            .connection_timeout(options.connect_timeout)
+            .response_timeout(options.response_timeout)
+            .build()?;
+        let mut node = Self::new(first, options)?;
+        Arc::get_mut(&mut node.pool)
+            .expect("not shared yet")
+            .cluster = Some(cluster);
+        Ok(node)
+    }
+
+    fn is_cluster(&self) -> bool {
+        self.pool.cluster.is_some()
     }
 
     fn client(&self) -> Client {
@@ -189,13 +252,15 @@ impl Node {
 
     /// Connects from the current runtime, loads every script and notes the server's run_id.
     pub(crate) async fn load_scripts(&self) -> RedisResult<()> {
-        let mut conn = self.conn()?;
+        let mut conn = self.conn().await?;
         let limit = self.pool.connect_timeout * 3;
         for script in scripts::all() {
             bounded(limit, script.prepare_invoke().load_async(&mut conn)).await?;
         }
-        let run_id = self.run_id().await?;
-        self.lock_identity().run_id = Some(run_id);
+        if !self.is_cluster() {
+            let run_id = self.run_id().await?;
+            self.lock_identity().run_id = Some(run_id);
+        }
         Ok(())
     }
 
@@ -204,7 +269,7 @@ impl Node {
     }
 
     async fn run_id(&self) -> RedisResult<String> {
-        let mut conn = self.conn()?;
+        let mut conn = self.conn().await?;
         let info: String = self.watch(
             bounded(
                 self.pool.response_timeout,
@@ -252,27 +317,36 @@ impl Node {
     }
 
     /// The connection of the current tokio runtime, opened (lazily) on first use.
-    fn conn(&self) -> RedisResult<ConnectionManager> {
+    async fn conn(&self) -> RedisResult<Conn> {
         let id = runtime::Handle::try_current()
             .map_err(|_| RedisError::from(io::Error::other("no tokio runtime")))?
             .id();
-        let mut conns = self
-            .pool
-            .by_runtime
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(conn) = conns.get(&id) {
+        if let Some(conn) = self.lock_conns().get(&id) {
             return Ok(conn.clone());
         }
-        let conn =
-            ConnectionManager::new_lazy_with_config(self.client(), self.pool.config.clone())?;
-        conns.insert(id, conn.clone());
-        Ok(conn)
+        let conn = match &self.pool.cluster {
+            Some(cluster) => {
+                let connect = cluster.get_async_connection();
+                Conn::Cluster(bounded(self.pool.connect_timeout * 3, connect).await?)
+            }
+            None => Conn::Single(ConnectionManager::new_lazy_with_config(
+                self.client(),
+                self.pool.config.clone(),
+            )?),
+        };
+        Ok(self.lock_conns().entry(id).or_insert(conn).clone())
+    }
+
+    fn lock_conns(&self) -> std::sync::MutexGuard<'_, HashMap<runtime::Id, Conn>> {
+        self.pool
+            .by_runtime
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// One acquire attempt for hold `req.hold` of `req.token` on `req.lock`.
     pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
-        let mut conn = self.conn()?;
+        let mut conn = self.conn().await?;
         let lease = millis(req.lease);
         let call = match &req.shape {
             Shape::Exclusive => {
@@ -367,7 +441,7 @@ impl Node {
             hold,
             share,
         } = ids;
-        let mut conn = self.conn()?;
+        let mut conn = self.conn().await?;
         let call = match share {
             Some(share) => {
                 let mut call = scripts::SHARE_RELEASE.key(lock);
@@ -396,7 +470,7 @@ impl Node {
         token: &str,
         lease: Duration,
     ) -> RedisResult<bool> {
-        let mut conn = self.conn()?;
+        let mut conn = self.conn().await?;
         let mut call = scripts::EXTEND.key(lock);
         if let Some(share) = share {
             call.key(share);
@@ -408,7 +482,32 @@ impl Node {
 
     /// Renews every `(lock, share, token, lease)` still held by its token, in one round trip.
     pub(crate) async fn renew(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<bool>> {
-        let mut conn = self.conn()?;
+        if !self.is_cluster() {
+            return self.renew_together(items).await;
+        }
+        // A script touches one hash slot: one call per slot, all slots at once.
+        let mut by_slot: HashMap<redis::cluster_routing::Slot, Vec<usize>> = HashMap::new();
+        for (at, item) in items.iter().enumerate() {
+            let slot = redis::cluster_routing::Slot::for_key(item.lock);
+            by_slot.entry(slot).or_default().push(at);
+        }
+        let groups: Vec<Vec<usize>> = by_slot.into_values().collect();
+        let calls = groups.iter().map(|group| {
+            let batch: Vec<Renewal<'_>> = group.iter().map(|&at| items[at]).collect();
+            async move { self.renew_together(&batch).await }
+        });
+        let mut renewed = vec![false; items.len()];
+        for (group, answer) in groups.iter().zip(join_all(calls).await) {
+            for (&at, yes) in group.iter().zip(answer?) {
+                renewed[at] = yes;
+            }
+        }
+        Ok(renewed)
+    }
+
+    /// Renews leases that all live in one hash slot (any leases, off Cluster) in one call.
+    async fn renew_together(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<bool>> {
+        let mut conn = self.conn().await?;
         let mut call = scripts::RENEW.prepare_invoke();
         for item in items {
             call.key(item.lock)
@@ -422,6 +521,9 @@ impl Node {
 
     /// A new pub/sub connection, opened from the current runtime.
     pub(crate) async fn pubsub(&self) -> RedisResult<redis::aio::PubSub> {
+        if self.is_cluster() {
+            return Err(io::Error::other("pub/sub wake-ups are not used on Cluster yet").into());
+        }
         bounded(self.pool.connect_timeout, self.client().get_async_pubsub()).await
     }
 
@@ -432,7 +534,7 @@ impl Node {
         share: Option<&str>,
         token: &str,
     ) -> RedisResult<bool> {
-        let mut conn = self.conn()?;
+        let mut conn = self.conn().await?;
         let cmd = match share {
             Some(share) => redis::cmd("EXISTS").arg(share).to_owned(),
             None => redis::cmd("HEXISTS").arg(lock).arg(token).to_owned(),
@@ -590,6 +692,19 @@ pub(crate) struct Backend {
 }
 
 impl Backend {
+    /// Connects to a Redis Cluster through `seeds`.
+    pub(crate) async fn connect_cluster(
+        seeds: &[String],
+        options: ConnectOptions,
+    ) -> RedisResult<Self> {
+        let node = Node::cluster(seeds, options)?;
+        node.load_scripts().await?;
+        Ok(Self {
+            nodes: Arc::from([node]),
+            quorum: 1,
+        })
+    }
+
     /// Connects to the master that the Sentinels at `sentinels` name `master`, and follows it
     /// through failovers.
     pub(crate) async fn connect_sentinel(

@@ -209,6 +209,7 @@ impl fmt::Debug for LockManager {
 pub struct LockManagerBuilder {
     urls: Vec<String>,
     redlock: bool,
+    cluster: bool,
     sentinel_master: Option<String>,
     prefix: String,
     defaults: Defaults,
@@ -223,6 +224,7 @@ impl Default for LockManagerBuilder {
         Self {
             urls: Vec::new(),
             redlock: false,
+            cluster: false,
             sentinel_master: None,
             prefix: "distlock:".to_owned(),
             defaults: Defaults {
@@ -265,6 +267,25 @@ impl LockManagerBuilder {
     pub fn redis_url(mut self, url: impl Into<String>) -> Self {
         self.urls = vec![url.into()];
         self.redlock = false;
+        self.cluster = false;
+        self.sentinel_master = None;
+        self
+    }
+
+    /// A Redis Cluster, reached through one or more of its nodes (`seeds`). Every key of a
+    /// lock shares one hash slot, so its scripts run on the node that owns that slot; the
+    /// connection follows MOVED and ASK redirections and failovers. Replaces `redis_url`.
+    ///
+    /// On Cluster, waiters are woken by their fallback timers (pub/sub wake-ups are not used
+    /// there yet), and `sync_replicas` is not available.
+    pub fn cluster<I, S>(mut self, seeds: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.urls = seeds.into_iter().map(Into::into).collect();
+        self.redlock = false;
+        self.cluster = true;
         self.sentinel_master = None;
         self
     }
@@ -283,6 +304,7 @@ impl LockManagerBuilder {
     {
         self.urls = sentinels.into_iter().map(Into::into).collect();
         self.redlock = false;
+        self.cluster = false;
         self.sentinel_master = Some(master_name.into());
         self
     }
@@ -301,6 +323,7 @@ impl LockManagerBuilder {
     {
         self.urls = urls.into_iter().map(Into::into).collect();
         self.redlock = true;
+        self.cluster = false;
         self.sentinel_master = None;
         self
     }
@@ -406,10 +429,16 @@ impl LockManagerBuilder {
             restart_delay: self.restart_delay.unwrap_or(self.defaults.ttl),
         };
         // Connect from the caller's runtime, which is where its requests will come from.
-        let master = self.sentinel_master.clone();
+        if self.cluster && self.sync_replicas.is_some() {
+            return Err(LockError::Config(
+                "`sync_replicas` is not available with `cluster`".into(),
+            ));
+        }
+        let (master, cluster) = (self.sentinel_master.clone(), self.cluster);
         let connect = async move {
             match master {
                 Some(master) => Backend::connect_sentinel(&urls, &master, options).await,
+                None if cluster => Backend::connect_cluster(&urls, options).await,
                 None => Backend::connect(&urls, options).await,
             }
         };

@@ -98,6 +98,62 @@ impl RedisServer {
         }
     }
 
+    /// Starts a Redis Cluster of `masters` masters (at least 3) on free loopback ports, with
+    /// every slot assigned (`redis-cli --cluster create`), and waits until it reports
+    /// `cluster_state:ok` everywhere.
+    pub fn start_cluster(masters: usize) -> io::Result<Vec<RedisServer>> {
+        let nodes = (0..masters)
+            .map(|_| {
+                Self::start_with(
+                    [
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                    ]
+                    .into_iter()
+                    .chain(["--cluster-node-timeout", "1000"])
+                    .map(str::to_owned)
+                    .collect(),
+                )
+            })
+            .collect::<io::Result<Vec<_>>>()?;
+        let cli = nodes[0].binary.with_file_name("redis-cli");
+        let cli = if cli.is_file() {
+            cli
+        } else {
+            PathBuf::from("redis-cli")
+        };
+        let status = Command::new(cli)
+            .arg("--cluster")
+            .arg("create")
+            .args(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)))
+            .arg("--cluster-yes")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()?;
+        if !status.success() {
+            return Err(io::Error::other(format!(
+                "redis-cli --cluster create failed: {status}"
+            )));
+        }
+        let started = Instant::now();
+        while !nodes.iter().all(|n| {
+            n.command(&["CLUSTER", "INFO"])
+                .is_ok_and(|i| i.contains("cluster_state:ok"))
+        }) {
+            if started.elapsed() > START_TIMEOUT {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the cluster did not come up",
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(nodes)
+    }
+
     /// Starts a Sentinel that monitors `master` as `name` with the given quorum, and notices a
     /// failed master quickly (down after 300 ms). Several Sentinels started for one master find
     /// each other through it.

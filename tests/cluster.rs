@@ -1,0 +1,149 @@
+//! Redis Cluster: locks on keys spread over every master, with their companion keys in the
+//! lock's own hash slot (never CROSSSLOT), renewal batched per slot, and exclusion held.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::Duration;
+
+use distlock::LockManager;
+use distlock::testing::RedisServer;
+
+async fn cluster(nodes: &[RedisServer], prefix: &str) -> LockManager {
+    LockManager::builder()
+        .cluster(nodes.iter().map(RedisServer::url))
+        .key_prefix(prefix)
+        .build()
+        .await
+        .unwrap()
+}
+
+/// Keys under `prefix` on every node.
+fn keys(nodes: &[RedisServer], prefix: &str) -> Vec<String> {
+    nodes
+        .iter()
+        .flat_map(|n| {
+            let reply = n.command(&["KEYS", &format!("{prefix}*")]).unwrap();
+            reply
+                .lines()
+                .filter(|l| !l.is_empty())
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_across_slots_and_masters() {
+    let nodes = RedisServer::start_cluster(3).unwrap();
+    let locks = cluster(&nodes, "c:").await;
+
+    let mut guards = Vec::new();
+    for i in 0..120 {
+        let guard = locks
+            .lock(format!("order:{i}"))
+            .fencing(true)
+            .acquire()
+            .await
+            .unwrap();
+        assert!(guard.fencing_token().unwrap() >= 1);
+        guards.push(guard);
+    }
+    // Spread over every master.
+    for node in &nodes {
+        let held = node.command(&["DBSIZE"]).unwrap();
+        assert_ne!(held, ":0", "a master holds none of 120 locks");
+    }
+    // Shared kinds and reentrancy run their scripts in the lock's slot too.
+    let read = locks.read_lock("doc").acquire().await.unwrap();
+    let permit = locks.semaphore("pool", 2).acquire().await.unwrap();
+    read.release().await.unwrap();
+    permit.release().await.unwrap();
+    distlock::scope(async {
+        let outer = locks
+            .lock("nested")
+            .reentrant(true)
+            .acquire()
+            .await
+            .unwrap();
+        let inner = locks
+            .lock("nested")
+            .reentrant(true)
+            .acquire()
+            .await
+            .unwrap();
+        inner.release().await.unwrap();
+        outer.release().await.unwrap();
+    })
+    .await;
+
+    for guard in guards {
+        guard.release().await.unwrap();
+    }
+    let left = keys(&nodes, "c:");
+    assert!(left.iter().all(|k| k.ends_with(":fence")), "{left:?}");
+    assert_eq!(left.len(), 120, "one fencing counter per key, nothing else");
+}
+
+#[tokio::test]
+async fn leases_are_renewed_slot_by_slot() {
+    let nodes = RedisServer::start_cluster(3).unwrap();
+    let locks = cluster(&nodes, "w:").await;
+    let ttl = Duration::from_millis(400);
+    let mut guards = Vec::new();
+    for i in 0..30 {
+        guards.push(
+            locks
+                .lock(format!("job:{i}"))
+                .ttl(ttl)
+                .watchdog(true)
+                .acquire()
+                .await
+                .unwrap(),
+        );
+    }
+    tokio::time::sleep(ttl * 4).await;
+    assert!(guards.iter().all(|g| !g.is_lost()), "every lease renewed");
+    assert!(locks.stats().leases_renewed >= 30 * 5);
+    for guard in guards {
+        assert!(guard.is_held().await.unwrap());
+        guard.release().await.unwrap();
+    }
+    assert!(keys(&nodes, "w:").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusion_holds_on_a_cluster() {
+    let nodes = RedisServer::start_cluster(3).unwrap();
+    let inside = Arc::new(AtomicBool::new(false));
+    let entries = Arc::new(AtomicU32::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..3 {
+        let locks = cluster(&nodes, "x:").await;
+        for _ in 0..5 {
+            let (locks, inside, entries) = (locks.clone(), inside.clone(), entries.clone());
+            tasks.spawn(async move {
+                for _ in 0..10 {
+                    let guard = locks
+                        .lock("hot")
+                        .wait(Duration::from_secs(30))
+                        .retry_delay(Duration::from_millis(2))
+                        .acquire()
+                        .await
+                        .unwrap();
+                    assert!(!inside.swap(true, Ordering::SeqCst), "two holders inside");
+                    entries.fetch_add(1, Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    inside.store(false, Ordering::SeqCst);
+                    guard.release().await.unwrap();
+                }
+            });
+        }
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    assert_eq!(entries.load(Ordering::SeqCst), 150);
+    assert!(keys(&nodes, "x:").is_empty());
+}
