@@ -147,3 +147,103 @@ async fn exclusion_holds_on_a_cluster() {
     assert_eq!(entries.load(Ordering::SeqCst), 150);
     assert!(keys(&nodes, "x:").is_empty());
 }
+
+/// The port of the replica of the master that owns `key`'s slot, asked of `node`.
+fn replica_of_owner(node: &RedisServer, key: &str) -> u16 {
+    let slot: u16 = node
+        .command(&["CLUSTER", "KEYSLOT", key])
+        .unwrap()
+        .trim_start_matches(':')
+        .parse()
+        .unwrap();
+    let nodes = node.command(&["CLUSTER", "NODES"]).unwrap();
+    let lines: Vec<Vec<&str>> = nodes.lines().map(|l| l.split(' ').collect()).collect();
+    let owner = lines
+        .iter()
+        .find(|f| {
+            f[2].contains("master")
+                && f[8..].iter().any(|range| {
+                    let mut ends = range
+                        .split('-')
+                        .map(|n| n.parse::<u16>().unwrap_or(u16::MAX));
+                    let first = ends.next().unwrap_or(u16::MAX);
+                    let last = ends.next().unwrap_or(first);
+                    (first..=last).contains(&slot)
+                })
+        })
+        .expect("a master owns every slot");
+    let replica = lines
+        .iter()
+        .find(|f| f[3] == owner[0])
+        .expect("the owner has a replica");
+    replica[1]
+        .split(['@', ':'])
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// A `CLUSTER FAILOVER` of the master that owns a contended key, in the middle of the run:
+/// no two holders inside at once, every entry done, and fencing tokens still increasing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_during_a_contended_run() {
+    let nodes = RedisServer::start_cluster_with_replicas(3, 1).unwrap();
+    let inside = Arc::new(AtomicBool::new(false));
+    let entries = Arc::new(AtomicU32::new(0));
+    let fences = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let halfway = Arc::new(tokio::sync::Notify::new());
+    let redis_key = "f:{hot}";
+    let replica_port = replica_of_owner(&nodes[0], redis_key);
+    let replica = nodes.iter().find(|n| n.port() == replica_port).unwrap();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..2 {
+        let locks = cluster(&nodes, "f:").await;
+        for _ in 0..4 {
+            let (locks, inside, entries, fences, halfway) = (
+                locks.clone(),
+                inside.clone(),
+                entries.clone(),
+                fences.clone(),
+                halfway.clone(),
+            );
+            tasks.spawn(async move {
+                for _ in 0..25 {
+                    let guard = locks
+                        .lock("hot")
+                        .fencing(true)
+                        .wait(Duration::from_secs(30))
+                        .retry_delay(Duration::from_millis(5))
+                        .acquire()
+                        .await
+                        .unwrap();
+                    assert!(!inside.swap(true, Ordering::SeqCst), "two holders inside");
+                    fences.lock().unwrap().push(guard.fencing_token().unwrap());
+                    if entries.fetch_add(1, Ordering::SeqCst) + 1 == 50 {
+                        halfway.notify_one();
+                    }
+                    tokio::task::yield_now().await;
+                    inside.store(false, Ordering::SeqCst);
+                    // A release that lands during the switch may fail; the lease then ends.
+                    let _ = guard.release().await;
+                }
+            });
+        }
+    }
+    halfway.notified().await;
+    let reply = replica.command(&["CLUSTER", "FAILOVER"]).unwrap();
+    assert_eq!(reply, "+OK");
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    assert_eq!(entries.load(Ordering::SeqCst), 200);
+    assert!(
+        replica.command(&["ROLE"]).unwrap().starts_with("master"),
+        "the failover happened"
+    );
+    let fences = fences.lock().unwrap();
+    assert!(
+        fences.windows(2).all(|w| w[0] < w[1]),
+        "fencing tokens kept increasing"
+    );
+}

@@ -543,11 +543,15 @@ fn new_token() -> String {
 }
 
 /// Errors after which the same attempt may succeed if sent again.
+/// Connection failures, and server answers that say "not now" (TRYAGAIN, CLUSTERDOWN,
+/// MASTERDOWN, LOADING, READONLY during a failover, …): retried within the request's
+/// bounds, and reported as the Redis error they are, never as busy, if the bounds run out.
 fn is_transient(error: &redis::RedisError) -> bool {
     error.is_io_error()
         || error.is_timeout()
         || error.is_connection_dropped()
         || error.is_connection_refusal()
+        || !matches!(error.retry_method(), redis::RetryMethod::NoRetry)
 }
 
 /// An attempt whose answer has not arrived: if the request is dropped here, the hold may

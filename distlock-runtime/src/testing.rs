@@ -102,7 +102,16 @@ impl RedisServer {
     /// every slot assigned (`redis-cli --cluster create`), and waits until it reports
     /// `cluster_state:ok` everywhere.
     pub fn start_cluster(masters: usize) -> io::Result<Vec<RedisServer>> {
-        let nodes = (0..masters)
+        Self::start_cluster_with_replicas(masters, 0)
+    }
+
+    /// Like [`start_cluster`](Self::start_cluster), with `replicas` replicas per master, all
+    /// synced before it returns (`CLUSTER NODES` tells which server has which role).
+    pub fn start_cluster_with_replicas(
+        masters: usize,
+        replicas: usize,
+    ) -> io::Result<Vec<RedisServer>> {
+        let nodes = (0..masters * (1 + replicas))
             .map(|_| {
                 Self::start_with(
                     [
@@ -128,6 +137,7 @@ impl RedisServer {
             .arg("--cluster")
             .arg("create")
             .args(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)))
+            .args(["--cluster-replicas", &replicas.to_string()])
             .arg("--cluster-yes")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
