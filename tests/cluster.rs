@@ -247,3 +247,138 @@ async fn a_failover_during_a_contended_run() {
         "fencing tokens kept increasing"
     );
 }
+
+/// The id and port of every master, from `node`'s view.
+fn masters(node: &RedisServer) -> Vec<(String, u16)> {
+    node.command(&["CLUSTER", "NODES"])
+        .unwrap()
+        .lines()
+        .map(|l| l.split(' ').collect::<Vec<_>>())
+        .filter(|f| f[2].contains("master"))
+        .map(|f| {
+            (
+                f[0].to_owned(),
+                f[1].split(['@', ':']).nth(1).unwrap().parse().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Moves `slot` from the master at `from` to the one at `to`, key by key, as
+/// `redis-cli --cluster reshard` does.
+fn migrate(nodes: &[RedisServer], slot: u16, from: (&str, u16), to: (&str, u16)) {
+    let node = |port: u16| nodes.iter().find(|n| n.port() == port).unwrap();
+    let (source, target) = (node(from.1), node(to.1));
+    let slot = slot.to_string();
+    assert_eq!(
+        target
+            .command(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", from.0])
+            .unwrap(),
+        "+OK"
+    );
+    assert_eq!(
+        source
+            .command(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", to.0])
+            .unwrap(),
+        "+OK"
+    );
+    loop {
+        let keys = source
+            .command(&["CLUSTER", "GETKEYSINSLOT", &slot, "100"])
+            .unwrap();
+        let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+        if keys.is_empty() {
+            break;
+        }
+        let port = to.1.to_string();
+        let mut args = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+        args.extend(keys);
+        let reply = source.command(&args).unwrap();
+        assert!(reply == "+OK" || reply == "+NOKEY", "MIGRATE: {reply}");
+    }
+    for master in nodes {
+        let _ = master.command(&["CLUSTER", "SETSLOT", &slot, "NODE", to.0]);
+    }
+}
+
+/// The slot of a contended key moves to another master mid-run: no overlap, nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_migration_during_a_contended_run() {
+    let nodes = RedisServer::start_cluster(3).unwrap();
+    let inside = Arc::new(AtomicBool::new(false));
+    let entries = Arc::new(AtomicU32::new(0));
+    let halfway = Arc::new(tokio::sync::Notify::new());
+    let slot: u16 = nodes[0]
+        .command(&["CLUSTER", "KEYSLOT", "m:{hot}"])
+        .unwrap()
+        .trim_start_matches(':')
+        .parse()
+        .unwrap();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..2 {
+        let locks = cluster(&nodes, "m:").await;
+        for _ in 0..4 {
+            let (locks, inside, entries, halfway) = (
+                locks.clone(),
+                inside.clone(),
+                entries.clone(),
+                halfway.clone(),
+            );
+            tasks.spawn(async move {
+                for _ in 0..25 {
+                    let guard = locks
+                        .lock("hot")
+                        .fencing(true)
+                        .wait(Duration::from_secs(30))
+                        .retry_delay(Duration::from_millis(5))
+                        .acquire()
+                        .await
+                        .unwrap();
+                    assert!(!inside.swap(true, Ordering::SeqCst), "two holders inside");
+                    if entries.fetch_add(1, Ordering::SeqCst) + 1 == 50 {
+                        halfway.notify_one();
+                    }
+                    tokio::task::yield_now().await;
+                    inside.store(false, Ordering::SeqCst);
+                    let _ = guard.release().await;
+                }
+            });
+        }
+    }
+    halfway.notified().await;
+    let masters = masters(&nodes[0]);
+    let owner_reply = nodes[0].command(&["CLUSTER", "NODES"]).unwrap();
+    let owner = masters
+        .iter()
+        .find(|(id, _)| {
+            owner_reply.lines().any(|l| {
+                l.starts_with(id.as_str())
+                    && l.split(' ').skip(8).any(|range| {
+                        let mut ends = range
+                            .split('-')
+                            .map(|n| n.parse::<u16>().unwrap_or(u16::MAX));
+                        let first = ends.next().unwrap_or(u16::MAX);
+                        let last = ends.next().unwrap_or(first);
+                        (first..=last).contains(&slot)
+                    })
+            })
+        })
+        .unwrap()
+        .clone();
+    let target = masters
+        .iter()
+        .find(|(id, _)| *id != owner.0)
+        .unwrap()
+        .clone();
+    migrate(&nodes, slot, (&owner.0, owner.1), (&target.0, target.1));
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    assert_eq!(entries.load(Ordering::SeqCst), 200);
+    let target_node = nodes.iter().find(|n| n.port() == target.1).unwrap();
+    let fence = target_node.command(&["GET", "m:{hot}:fence"]).unwrap();
+    assert_eq!(
+        fence, "200",
+        "the fencing counter moved with the slot and counted every entry"
+    );
+}
