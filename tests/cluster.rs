@@ -38,6 +38,10 @@ fn keys(nodes: &[RedisServer], prefix: &str) -> Vec<String> {
 async fn locks_across_slots_and_masters() {
     let nodes = RedisServer::start_cluster(3).unwrap();
     let locks = cluster(&nodes, "c:").await;
+    // Scripts forgotten everywhere (as after restarts): each node gets them again on NOSCRIPT.
+    for node in &nodes {
+        assert_eq!(node.command(&["SCRIPT", "FLUSH"]).unwrap(), "+OK");
+    }
 
     let mut guards = Vec::new();
     for i in 0..120 {
