@@ -4,7 +4,6 @@
 mod support;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use distlock::LockManager;
@@ -120,152 +119,40 @@ async fn leases_are_renewed_slot_by_slot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exclusion_holds_on_a_cluster() {
     let nodes = RedisServer::start_cluster(3).unwrap();
-    let inside = Arc::new(AtomicBool::new(false));
-    let entries = Arc::new(AtomicU32::new(0));
-    let mut tasks = tokio::task::JoinSet::new();
+    let mut managers = Vec::new();
     for _ in 0..3 {
-        let locks = cluster(&nodes, "x:").await;
-        for _ in 0..5 {
-            let (locks, inside, entries) = (locks.clone(), inside.clone(), entries.clone());
-            tasks.spawn(async move {
-                for _ in 0..10 {
-                    let guard = locks
-                        .lock("hot")
-                        .wait(Duration::from_secs(30))
-                        .retry_delay(Duration::from_millis(2))
-                        .acquire()
-                        .await
-                        .unwrap();
-                    assert!(!inside.swap(true, Ordering::SeqCst), "two holders inside");
-                    entries.fetch_add(1, Ordering::SeqCst);
-                    tokio::task::yield_now().await;
-                    inside.store(false, Ordering::SeqCst);
-                    guard.release().await.unwrap();
-                }
-            });
-        }
+        managers.push(cluster(&nodes, "x:").await);
     }
-    while let Some(done) = tasks.join_next().await {
-        done.unwrap();
-    }
-    assert_eq!(entries.load(Ordering::SeqCst), 150);
-    assert!(keys(&nodes, "x:").is_empty());
+    let run = support::contend(&managers, 5, 10, true, None).await;
+    assert_eq!(run.entries, 150);
+    assert!(run.fences.windows(2).all(|w| w[0] < w[1]));
+    assert!(keys(&nodes, "x:").iter().all(|k| k.ends_with(":fence")));
 }
 
-/// The port of the replica of the master that owns `key`'s slot, asked of `node`.
-fn replica_of_owner(node: &RedisServer, key: &str) -> u16 {
-    let slot: u16 = node
-        .command(&["CLUSTER", "KEYSLOT", key])
-        .unwrap()
-        .trim_start_matches(':')
-        .parse()
-        .unwrap();
-    let nodes = node.command(&["CLUSTER", "NODES"]).unwrap();
-    let lines: Vec<Vec<&str>> = nodes.lines().map(|l| l.split(' ').collect()).collect();
-    let owner = lines
-        .iter()
-        .find(|f| {
-            f[2].contains("master")
-                && f[8..].iter().any(|range| {
-                    let mut ends = range
-                        .split('-')
-                        .map(|n| n.parse::<u16>().unwrap_or(u16::MAX));
-                    let first = ends.next().unwrap_or(u16::MAX);
-                    let last = ends.next().unwrap_or(first);
-                    (first..=last).contains(&slot)
-                })
-        })
-        .expect("a master owns every slot");
-    let replica = lines
-        .iter()
-        .find(|f| f[3] == owner[0])
-        .expect("the owner has a replica");
-    replica[1]
-        .split(['@', ':'])
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap()
-}
-
-/// A `CLUSTER FAILOVER` of the master that owns a contended key, in the middle of the run:
-/// no two holders inside at once, every entry done, and fencing tokens still increasing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_during_a_contended_run() {
     let nodes = RedisServer::start_cluster_with_replicas(3, 1).unwrap();
-    let inside = Arc::new(AtomicBool::new(false));
-    let entries = Arc::new(AtomicU32::new(0));
-    let fences = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let view = ClusterView::of(&nodes[0]);
+    let owner = view.owner(keyslot(&nodes[0], "f:{hot}"));
+    let replica = view.replica_of(owner);
+    let replica = nodes.iter().find(|n| n.port() == replica.port).unwrap();
+    let managers = vec![cluster(&nodes, "f:").await, cluster(&nodes, "f:").await];
     let halfway = Arc::new(tokio::sync::Notify::new());
-    let redis_key = "f:{hot}";
-    let replica_port = replica_of_owner(&nodes[0], redis_key);
-    let replica = nodes.iter().find(|n| n.port() == replica_port).unwrap();
-    let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..2 {
-        let locks = cluster(&nodes, "f:").await;
-        for _ in 0..4 {
-            let (locks, inside, entries, fences, halfway) = (
-                locks.clone(),
-                inside.clone(),
-                entries.clone(),
-                fences.clone(),
-                halfway.clone(),
-            );
-            tasks.spawn(async move {
-                for _ in 0..25 {
-                    let guard = locks
-                        .lock("hot")
-                        .fencing(true)
-                        .wait(Duration::from_secs(30))
-                        .retry_delay(Duration::from_millis(5))
-                        .acquire()
-                        .await
-                        .unwrap();
-                    assert!(!inside.swap(true, Ordering::SeqCst), "two holders inside");
-                    fences.lock().unwrap().push(guard.fencing_token().unwrap());
-                    if entries.fetch_add(1, Ordering::SeqCst) + 1 == 50 {
-                        halfway.notify_one();
-                    }
-                    tokio::task::yield_now().await;
-                    inside.store(false, Ordering::SeqCst);
-                    // A release that lands during the switch may fail; the lease then ends.
-                    let _ = guard.release().await;
-                }
-            });
-        }
-    }
-    halfway.notified().await;
-    let reply = replica.command(&["CLUSTER", "FAILOVER"]).unwrap();
-    assert_eq!(reply, "+OK");
-    while let Some(done) = tasks.join_next().await {
-        done.unwrap();
-    }
-    assert_eq!(entries.load(Ordering::SeqCst), 200);
+    let run = support::contend(&managers, 4, 25, true, Some(halfway.clone()));
+    let fail_over = async {
+        halfway.notified().await;
+        assert_eq!(replica.command(&["CLUSTER", "FAILOVER"]).unwrap(), "+OK");
+    };
+    let (run, ()) = tokio::join!(run, fail_over);
+    assert_eq!(run.entries, 200);
     assert!(
         replica.command(&["ROLE"]).unwrap().starts_with("master"),
         "the failover happened"
     );
-    let fences = fences.lock().unwrap();
     assert!(
-        fences.windows(2).all(|w| w[0] < w[1]),
+        run.fences.windows(2).all(|w| w[0] < w[1]),
         "fencing tokens kept increasing"
     );
-}
-
-/// The id and port of every master, from `node`'s view.
-fn masters(node: &RedisServer) -> Vec<(String, u16)> {
-    node.command(&["CLUSTER", "NODES"])
-        .unwrap()
-        .lines()
-        .map(|l| l.split(' ').collect::<Vec<_>>())
-        .filter(|f| f[2].contains("master"))
-        .map(|f| {
-            (
-                f[0].to_owned(),
-                f[1].split(['@', ':']).nth(1).unwrap().parse().unwrap(),
-            )
-        })
-        .collect()
 }
 
 /// Moves `slot` from the master at `from` to the one at `to`, key by key, as
@@ -309,80 +196,96 @@ fn migrate(nodes: &[RedisServer], slot: u16, from: (&str, u16), to: (&str, u16))
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_migration_during_a_contended_run() {
     let nodes = RedisServer::start_cluster(3).unwrap();
-    let inside = Arc::new(AtomicBool::new(false));
-    let entries = Arc::new(AtomicU32::new(0));
+    let slot = keyslot(&nodes[0], "m:{hot}");
+    let managers = vec![cluster(&nodes, "m:").await, cluster(&nodes, "m:").await];
     let halfway = Arc::new(tokio::sync::Notify::new());
-    let slot: u16 = nodes[0]
-        .command(&["CLUSTER", "KEYSLOT", "m:{hot}"])
-        .unwrap()
-        .trim_start_matches(':')
-        .parse()
-        .unwrap();
-    let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..2 {
-        let locks = cluster(&nodes, "m:").await;
-        for _ in 0..4 {
-            let (locks, inside, entries, halfway) = (
-                locks.clone(),
-                inside.clone(),
-                entries.clone(),
-                halfway.clone(),
-            );
-            tasks.spawn(async move {
-                for _ in 0..25 {
-                    let guard = locks
-                        .lock("hot")
-                        .fencing(true)
-                        .wait(Duration::from_secs(30))
-                        .retry_delay(Duration::from_millis(5))
-                        .acquire()
-                        .await
-                        .unwrap();
-                    assert!(!inside.swap(true, Ordering::SeqCst), "two holders inside");
-                    if entries.fetch_add(1, Ordering::SeqCst) + 1 == 50 {
-                        halfway.notify_one();
-                    }
-                    tokio::task::yield_now().await;
-                    inside.store(false, Ordering::SeqCst);
-                    let _ = guard.release().await;
-                }
-            });
-        }
-    }
-    halfway.notified().await;
-    let masters = masters(&nodes[0]);
-    let owner_reply = nodes[0].command(&["CLUSTER", "NODES"]).unwrap();
-    let owner = masters
-        .iter()
-        .find(|(id, _)| {
-            owner_reply.lines().any(|l| {
-                l.starts_with(id.as_str())
-                    && l.split(' ').skip(8).any(|range| {
-                        let mut ends = range
-                            .split('-')
-                            .map(|n| n.parse::<u16>().unwrap_or(u16::MAX));
-                        let first = ends.next().unwrap_or(u16::MAX);
-                        let last = ends.next().unwrap_or(first);
-                        (first..=last).contains(&slot)
-                    })
-            })
-        })
-        .unwrap()
-        .clone();
-    let target = masters
-        .iter()
-        .find(|(id, _)| *id != owner.0)
-        .unwrap()
-        .clone();
-    migrate(&nodes, slot, (&owner.0, owner.1), (&target.0, target.1));
-    while let Some(done) = tasks.join_next().await {
-        done.unwrap();
-    }
-    assert_eq!(entries.load(Ordering::SeqCst), 200);
-    let target_node = nodes.iter().find(|n| n.port() == target.1).unwrap();
+    let run = support::contend(&managers, 4, 25, true, Some(halfway.clone()));
+    let target = async {
+        halfway.notified().await;
+        let view = ClusterView::of(&nodes[0]);
+        let owner = view.owner(slot);
+        let target = view
+            .nodes
+            .iter()
+            .find(|n| n.master && n.id != owner.id)
+            .unwrap();
+        migrate(
+            &nodes,
+            slot,
+            (&owner.id, owner.port),
+            (&target.id, target.port),
+        );
+        target.port
+    };
+    let (run, target) = tokio::join!(run, target);
+    assert_eq!(run.entries, 200);
+    assert!(run.fences.windows(2).all(|w| w[0] < w[1]));
+    let target_node = nodes.iter().find(|n| n.port() == target).unwrap();
     let fence = target_node.command(&["GET", "m:{hot}:fence"]).unwrap();
     assert_eq!(
         fence, "200",
         "the fencing counter moved with the slot and counted every entry"
     );
+}
+
+/// The hash slot of `key`, asked of `node`.
+fn keyslot(node: &RedisServer, key: &str) -> u16 {
+    let reply = node.command(&["CLUSTER", "KEYSLOT", key]).unwrap();
+    reply.trim_start_matches(':').parse().unwrap()
+}
+
+/// One line of `CLUSTER NODES`.
+struct ClusterNode {
+    id: String,
+    port: u16,
+    master: bool,
+    master_id: String,
+    slots: Vec<(u16, u16)>,
+}
+
+/// The cluster as one node sees it.
+struct ClusterView {
+    nodes: Vec<ClusterNode>,
+}
+
+impl ClusterView {
+    fn of(node: &RedisServer) -> Self {
+        let reply = node.command(&["CLUSTER", "NODES"]).unwrap();
+        let nodes = reply
+            .lines()
+            .map(|line| {
+                let f: Vec<&str> = line.split(' ').collect();
+                let slots = f[8..]
+                    .iter()
+                    .filter_map(|range| {
+                        let mut ends = range.split('-').map(|n| n.parse::<u16>().ok());
+                        let first = ends.next()??;
+                        Some((first, ends.next().flatten().unwrap_or(first)))
+                    })
+                    .collect();
+                ClusterNode {
+                    id: f[0].to_owned(),
+                    port: f[1].split(['@', ':']).nth(1).unwrap().parse().unwrap(),
+                    master: f[2].contains("master"),
+                    master_id: f[3].to_owned(),
+                    slots,
+                }
+            })
+            .collect();
+        Self { nodes }
+    }
+
+    fn owner(&self, slot: u16) -> &ClusterNode {
+        self.nodes
+            .iter()
+            .find(|n| n.master && n.slots.iter().any(|&(a, b)| (a..=b).contains(&slot)))
+            .expect("a master owns every slot")
+    }
+
+    fn replica_of(&self, master: &ClusterNode) -> &ClusterNode {
+        self.nodes
+            .iter()
+            .find(|n| n.master_id == master.id)
+            .expect("the master has a replica")
+    }
 }

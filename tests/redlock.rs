@@ -4,7 +4,6 @@
 mod support;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use distlock::testing::RedisServer;
@@ -178,48 +177,19 @@ async fn bad_redlock_configurations_are_errors() {
 /// with one master killed halfway.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exclusion_holds_with_a_master_down() {
-    let servers = Arc::new(
-        (0..3)
-            .map(|_| RedisServer::start().unwrap())
-            .collect::<Vec<_>>(),
-    );
-    let inside = Arc::new(AtomicBool::new(false));
-    let entries = Arc::new(AtomicU32::new(0));
-    let mut tasks = tokio::task::JoinSet::new();
+    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start().unwrap()).collect();
+    let mut managers = Vec::new();
     for _ in 0..3 {
-        let locks = redlock(&servers).await;
-        for _ in 0..4 {
-            let (locks, inside, entries, servers) = (
-                locks.clone(),
-                inside.clone(),
-                entries.clone(),
-                servers.clone(),
-            );
-            tasks.spawn(async move {
-                for round in 0..10 {
-                    if round == 5 && entries.load(Ordering::SeqCst) > 0 {
-                        let _ = servers[2].kill();
-                    }
-                    let guard = locks
-                        .lock("hot")
-                        .ttl(Duration::from_secs(5))
-                        .wait(Duration::from_secs(30))
-                        .acquire()
-                        .await
-                        .unwrap();
-                    assert!(!inside.swap(true, Ordering::SeqCst), "two holders inside");
-                    entries.fetch_add(1, Ordering::SeqCst);
-                    tokio::task::yield_now().await;
-                    inside.store(false, Ordering::SeqCst);
-                    guard.release().await.unwrap();
-                }
-            });
-        }
+        managers.push(redlock(&servers).await);
     }
-    while let Some(done) = tasks.join_next().await {
-        done.unwrap();
-    }
-    assert_eq!(entries.load(Ordering::SeqCst), 120);
+    let halfway = Arc::new(tokio::sync::Notify::new());
+    let run = support::contend(&managers, 4, 10, false, Some(halfway.clone()));
+    let kill = async {
+        halfway.notified().await;
+        servers[2].kill().unwrap();
+    };
+    let (run, ()) = tokio::join!(run, kill);
+    assert_eq!(run.entries, 120);
 }
 
 /// The scenario RedLock's delayed restart exists for: a lock held on masters A and B (C was

@@ -51,3 +51,74 @@ pub async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
         .await
         .unwrap()
 }
+
+/// What a contended run saw.
+pub struct Contention {
+    /// Entries into the critical section.
+    pub entries: u32,
+    /// The fencing tokens of those entries, in the order they entered (with fencing).
+    pub fences: Vec<u64>,
+}
+
+/// `tasks` tasks on each manager take the exclusive lock `"hot"` `rounds` times each, and on
+/// every entry check that nobody else is inside. `halfway` is told when half the entries are
+/// done (for a fault in the middle of the run). A release that fails during a fault is left
+/// to the lock's lease.
+pub async fn contend(
+    managers: &[LockManager],
+    tasks: usize,
+    rounds: usize,
+    fencing: bool,
+    halfway: Option<Arc<tokio::sync::Notify>>,
+) -> Contention {
+    use std::sync::atomic::{AtomicBool, AtomicU32};
+    let inside = Arc::new(AtomicBool::new(false));
+    let entries = Arc::new(AtomicU32::new(0));
+    let fences = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let half = u32::try_from(managers.len() * tasks * rounds / 2).unwrap();
+    let mut running = tokio::task::JoinSet::new();
+    for locks in managers {
+        for _ in 0..tasks {
+            let (locks, inside, entries, fences, halfway) = (
+                locks.clone(),
+                inside.clone(),
+                entries.clone(),
+                fences.clone(),
+                halfway.clone(),
+            );
+            running.spawn(async move {
+                for _ in 0..rounds {
+                    let guard = locks
+                        .lock("hot")
+                        .ttl(Duration::from_secs(5))
+                        .fencing(fencing)
+                        .wait(Duration::from_secs(30))
+                        .retry_delay(Duration::from_millis(2))
+                        .acquire()
+                        .await
+                        .unwrap();
+                    assert!(!inside.swap(true, Ordering::SeqCst), "two holders inside");
+                    if let Some(fence) = guard.fencing_token() {
+                        fences.lock().unwrap().push(fence);
+                    }
+                    if entries.fetch_add(1, Ordering::SeqCst) + 1 == half
+                        && let Some(halfway) = &halfway
+                    {
+                        halfway.notify_one();
+                    }
+                    tokio::task::yield_now().await;
+                    inside.store(false, Ordering::SeqCst);
+                    let _ = guard.release().await;
+                }
+            });
+        }
+    }
+    while let Some(done) = running.join_next().await {
+        done.unwrap();
+    }
+    let fences = std::mem::take(&mut *fences.lock().unwrap());
+    Contention {
+        entries: entries.load(Ordering::SeqCst),
+        fences,
+    }
+}
