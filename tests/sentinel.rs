@@ -110,3 +110,35 @@ async fn an_unknown_master_name_is_a_configuration_error() {
         other => panic!("expected a configuration error, got {other:?}"),
     }
 }
+
+/// The exclusion checker across two managers while the master is killed and a replica takes
+/// over: nobody is ever inside with another holder, and every entry gets done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusion_holds_through_a_failover() {
+    let master = RedisServer::start().unwrap();
+    let _replica = RedisServer::start_replica_of(&master).unwrap();
+    let sentinels: Vec<RedisServer> = (0..3)
+        .map(|_| RedisServer::start_sentinel(&master, MASTER, 2).unwrap())
+        .collect();
+    wait_until_ready(&sentinels);
+    let mut managers = Vec::new();
+    for _ in 0..2 {
+        let locks = LockManager::builder()
+            .sentinel(sentinels.iter().map(RedisServer::url), MASTER)
+            .key_prefix("sx:")
+            .response_timeout(Duration::from_millis(300))
+            .connect_timeout(Duration::from_millis(300))
+            .build()
+            .await
+            .unwrap();
+        managers.push(locks);
+    }
+    let halfway = std::sync::Arc::new(tokio::sync::Notify::new());
+    let run = support::contend(&managers, 4, 10, true, Some(halfway.clone()));
+    let kill = async {
+        halfway.notified().await;
+        master.kill().unwrap();
+    };
+    let (run, ()) = tokio::join!(run, kill);
+    assert_eq!(run.entries, 80);
+}
