@@ -289,3 +289,36 @@ impl ClusterView {
             .expect("the master has a replica")
     }
 }
+
+/// A release on the node that owns a lock wakes a waiter subscribed through another node.
+#[tokio::test]
+async fn a_release_wakes_a_waiter_on_a_cluster() {
+    let nodes = RedisServer::start_cluster(3).unwrap();
+    let holder = cluster(&nodes, "wk:").await;
+    let waiter = cluster(&nodes, "wk:").await;
+    let day = Duration::from_secs(24 * 3600);
+    let held = holder.lock("k").ttl(day).acquire().await.unwrap();
+    let waiting =
+        tokio::spawn(async move { waiter.lock("k").retry_delay(day).retries(5).acquire().await });
+    // Subscribed (on the first seed) before the release.
+    let started = std::time::Instant::now();
+    while nodes[0]
+        .command(&["PUBSUB", "NUMSUB", "wk:{k}:wake"])
+        .unwrap()
+        .ends_with(":0")
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the waiter never subscribed"
+        );
+        tokio::task::yield_now().await;
+    }
+    held.release().await.unwrap();
+    let guard = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("woken by the release, not by a day-long timer")
+        .unwrap()
+        .unwrap();
+    assert!(guard.attempts() >= 2);
+    guard.release().await.unwrap();
+}

@@ -39,7 +39,12 @@ async fn no_channels_left(server: &RedisServer, prefix: &str) -> bool {
 }
 
 async fn subscribed(server: &RedisServer, channel: &str) {
+    let started = std::time::Instant::now();
     while channels(server, channel).is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the waiter never subscribed"
+        );
         tokio::task::yield_now().await;
     }
 }

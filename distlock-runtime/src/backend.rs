@@ -521,9 +521,8 @@ impl Node {
 
     /// A new pub/sub connection, opened from the current runtime.
     pub(crate) async fn pubsub(&self) -> RedisResult<redis::aio::PubSub> {
-        if self.is_cluster() {
-            return Err(io::Error::other("pub/sub wake-ups are not used on Cluster yet").into());
-        }
+        // On Cluster, classic pub/sub is cluster-wide: a PUBLISH on the node that owns a lock
+        // reaches subscribers on any node, so the first seed serves.
         bounded(self.pool.connect_timeout, self.client().get_async_pubsub()).await
     }
 

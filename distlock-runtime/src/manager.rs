@@ -276,8 +276,9 @@ impl LockManagerBuilder {
     /// lock shares one hash slot, so its scripts run on the node that owns that slot; the
     /// connection follows MOVED and ASK redirections and failovers. Replaces `redis_url`.
     ///
-    /// On Cluster, waiters are woken by their fallback timers (pub/sub wake-ups are not used
-    /// there yet), and `sync_replicas` is not available.
+    /// Waiters are woken through classic pub/sub on the first seed (a PUBLISH reaches every
+    /// node of a cluster); if that node is down, their fallback timers take over.
+    /// `sync_replicas` is not available on Cluster.
     pub fn cluster<I, S>(mut self, seeds: I) -> Self
     where
         I: IntoIterator<Item = S>,
