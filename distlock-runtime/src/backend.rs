@@ -117,6 +117,15 @@ impl std::fmt::Debug for Node {
 impl Node {
     /// A node for `url`; nothing is sent until it is used.
     pub(crate) fn new(url: &str, options: ConnectOptions) -> RedisResult<Self> {
+        Self::with(url, options, None, None)
+    }
+
+    fn with(
+        url: &str,
+        options: ConnectOptions,
+        sentinel: Option<Sentinel>,
+        cluster: Option<ClusterClient>,
+    ) -> RedisResult<Self> {
         let client = Client::open(url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(options.connect_timeout))
@@ -127,10 +136,10 @@ impl Node {
         let node = Self {
             pool: Arc::new(Pool {
                 client: Mutex::new(client),
-                sentinel: None,
+                sentinel,
                 identity: Mutex::new(Identity::default()),
                 restart_delay: options.restart_delay,
-                cluster: None,
+                cluster,
                 config,
                 response_timeout: options.response_timeout,
                 connect_timeout: options.connect_timeout,
@@ -154,11 +163,7 @@ impl Node {
             refreshing: AtomicBool::new(false),
         };
         let url = source.resolve(options.connect_timeout).await?;
-        let mut node = Self::new(&url, options)?;
-        Arc::get_mut(&mut node.pool)
-            .expect("not shared yet")
-            .sentinel = Some(source);
-        Ok(node)
+        Self::with(&url, options, Some(source), None)
     }
 
     /// A Redis Cluster reached through `seeds`; nothing is sent until it is used.
@@ -170,11 +175,7 @@ impl Node {
             .connection_timeout(options.connect_timeout)
             .response_timeout(options.response_timeout)
             .build()?;
-        let mut node = Self::new(first, options)?;
-        Arc::get_mut(&mut node.pool)
-            .expect("not shared yet")
-            .cluster = Some(cluster);
-        Ok(node)
+        Self::with(first, options, None, Some(cluster))
     }
 
     fn is_cluster(&self) -> bool {
