@@ -15,6 +15,17 @@ use tokio::sync::Notify;
 
 const TTL: Duration = Duration::from_millis(300);
 
+/// Takes `"k"` with a `TTL` lease under the watchdog.
+async fn watched(locks: &LockManager) -> distlock::LockGuard {
+    locks
+        .lock("k")
+        .ttl(TTL)
+        .watchdog(true)
+        .acquire()
+        .await
+        .unwrap()
+}
+
 /// `evalsha` calls the server has answered so far.
 fn evalsha_calls(server: &RedisServer) -> u64 {
     let info = server.command(&["INFO", "commandstats"]).unwrap();
@@ -29,13 +40,7 @@ async fn the_watchdog_holds_a_long_body_and_stops_at_release() {
     let server = RedisServer::start().unwrap();
     let holder = manager(&server, "wd:").await;
     let other = manager(&server, "wd:").await;
-    let guard = holder
-        .lock("k")
-        .ttl(TTL)
-        .watchdog(true)
-        .acquire()
-        .await
-        .unwrap();
+    let guard = watched(&holder).await;
 
     // Ten leases long, another manager never gets in.
     let until = Instant::now() + TTL * 10;
@@ -78,13 +83,7 @@ async fn the_watchdog_holds_a_long_body_and_stops_at_release() {
 async fn a_server_restarted_empty_is_a_lost_lease() {
     let server = RedisServer::start().unwrap();
     let locks = manager(&server, "restart:").await;
-    let guard = locks
-        .lock("k")
-        .ttl(TTL)
-        .watchdog(true)
-        .acquire()
-        .await
-        .unwrap();
+    let guard = watched(&locks).await;
     server.restart().unwrap();
     let lost = tokio::time::timeout(TTL * 2, guard.lost())
         .await
@@ -100,13 +99,7 @@ async fn a_stolen_lock_is_never_extended_by_the_old_watchdog() {
     let prefix = unique_prefix("stolen");
     let locks = manager(&server, &prefix).await;
     let mut conn = raw(&server).await;
-    let guard = locks
-        .lock("k")
-        .ttl(TTL)
-        .watchdog(true)
-        .acquire()
-        .await
-        .unwrap();
+    let guard = watched(&locks).await;
     let key = locks.redis_key("k");
     // Another owner replaces the lock (as after an expiry and a new acquisition).
     let _: () = conn.del(&key).await.unwrap();
@@ -145,13 +138,7 @@ fn a_blocked_executor_loses_its_lease() {
             .build()
             .unwrap();
         runtime.block_on(async {
-            let guard = locks
-                .lock("k")
-                .ttl(TTL)
-                .watchdog(true)
-                .acquire()
-                .await
-                .unwrap();
+            let guard = watched(&locks).await;
             blocking.send(()).unwrap();
             // Blocks this runtime's only thread for two leases.
             std::thread::sleep(TTL * 2);

@@ -122,3 +122,16 @@ pub async fn contend(
         fences,
     }
 }
+
+/// Takes `key` within 2 s (far less than any lease these tests leave behind) and gives it
+/// back: proof that whatever held it before released it.
+pub async fn take_soon(locks: &LockManager, key: &str, why: &str) {
+    let guard = locks
+        .lock(key)
+        .wait(Duration::from_secs(2))
+        .retry_delay(Duration::from_millis(2))
+        .acquire()
+        .await
+        .unwrap_or_else(|e| panic!("{why}: {e}"));
+    guard.release().await.unwrap();
+}
