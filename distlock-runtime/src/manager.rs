@@ -141,9 +141,10 @@ impl LockManager {
         &self.inner.prefix
     }
 
-    /// The Redis key that holds the lock named `key`: `prefix{key}`.
+    /// The Redis key that holds the lock named `key`: `prefix{key}`, or `prefix{escaped}~`
+    /// when `key` contains `}` (see the README's Redis data model).
     pub fn redis_key(&self, key: &str) -> String {
-        format!("{}{{{key}}}", self.inner.prefix)
+        key::lock_key(&self.inner.prefix, key)
     }
 
     /// Renewal counters since the manager was built.
