@@ -105,11 +105,15 @@ fn placeholder(inner: &str, text: &str) -> Result<Placeholder, String> {
     Ok(Placeholder { root, fields })
 }
 
+/// Whether `s` is a plain (not raw) Rust identifier, keywords such as `self` included.
 fn is_ident(s: &str) -> bool {
-    let mut chars = s.chars();
-    matches!(chars.next(), Some(c) if c == '_' || c.is_alphabetic())
-        && chars.all(|c| c == '_' || c.is_alphanumeric())
-        && s != "_"
+    use syn::ext::IdentExt;
+    use syn::parse::Parser;
+    s != "_"
+        && !s.contains('#')
+        && syn::Ident::parse_any
+            .parse_str(s)
+            .is_ok_and(|ident| ident == s)
 }
 
 impl Template {
@@ -236,6 +240,46 @@ mod tests {
         assert!(error("a{id:?}").contains("format spec"));
         assert!(error("a{1x}").contains("must start with a parameter"));
         assert!(error("a{x.-}").contains("not a field name"));
+    }
+
+    #[test]
+    fn placeholder_names_must_be_identifiers() {
+        // Alphanumeric to Unicode but no identifier: a compile error, not a panic.
+        assert!(error("a{x²}").contains("must start with a parameter"));
+        assert!(error("a{x.y²}").contains("not a field name"));
+        let Ok(tpl) = t("{ä.ß}") else { panic!() };
+        assert!(!tpl.expr().is_empty());
+    }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Text, braces and placeholder-like pieces made of the characters that matter.
+        fn template() -> impl Strategy<Value = String> {
+            let piece = prop_oneof![
+                Just("{".to_owned()),
+                Just("}".to_owned()),
+                "[a:.]{0,3}",
+                "\\{[x_0.:#² éself]{0,6}\\}",
+            ];
+            prop_oneof![
+                proptest::collection::vec(piece, 0..6).prop_map(|parts| parts.concat()),
+                any::<String>(),
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn any_template_parses_or_is_an_error(text in template()) {
+                if let Ok(tpl) = t(&text) {
+                    let expr = tpl.expr();
+                    prop_assert!(!expr.is_empty());
+                    let roots = tpl.placeholders.iter().map(|p| p.root.clone()).collect::<Vec<_>>();
+                    prop_assert!(tpl.check_roots(&roots, true).is_ok());
+                }
+            }
+        }
     }
 
     #[test]
