@@ -95,3 +95,53 @@ async fn names_with_braces_stay_in_one_slot_on_a_cluster() {
     fences.sort();
     assert_eq!(left, fences, "only the fencing counters are left");
 }
+
+/// Whether a client of `server` is blocked in `WAIT` right now.
+fn blocked_in_wait(server: &RedisServer) -> bool {
+    let clients = server.command(&["CLIENT", "LIST"]).unwrap();
+    clients.lines().any(|client| {
+        let flags = client.split(' ').find_map(|f| f.strip_prefix("flags="));
+        let cmd = client.split(' ').find_map(|f| f.strip_prefix("cmd="));
+        flags.is_some_and(|f| f.contains('b')) && cmd == Some("wait")
+    })
+}
+
+/// While one acquire waits for a lagging replica, the manager's other requests go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_for_a_replica_blocks_no_other_request() {
+    let master = RedisServer::start().unwrap();
+    let replica = RedisServer::start_replica_of(&master).unwrap();
+    let locks = LockManager::builder()
+        .redis_url(master.url())
+        .key_prefix("wait:")
+        .response_timeout(Duration::from_millis(500))
+        .sync_replicas(1, Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap();
+    let held = locks.lock("a").acquire().await.unwrap();
+
+    replica.pause().unwrap();
+    let waiting = {
+        let locks = locks.clone();
+        tokio::spawn(async move { locks.lock("b").acquire().await })
+    };
+    let started = std::time::Instant::now();
+    while !blocked_in_wait(&master) {
+        assert!(!waiting.is_finished(), "{:?}", waiting.await);
+        assert!(started.elapsed() < Duration::from_secs(10), "no WAIT sent");
+        tokio::task::yield_now().await;
+    }
+    // Answered on the shared connection while the WAIT still blocks its own.
+    assert!(held.is_held().await.unwrap());
+    assert!(
+        blocked_in_wait(&master),
+        "the other request was answered only once WAIT returned"
+    );
+
+    // The replica catches up: the waiting grant is acknowledged.
+    replica.resume().unwrap();
+    let granted = waiting.await.unwrap().unwrap();
+    granted.release().await.unwrap();
+    held.release().await.unwrap();
+}

@@ -12,10 +12,10 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use tokio::runtime;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{Client, RedisError, RedisResult};
+use redis::{AsyncConnectionConfig, Client, RedisError, RedisResult};
 
 use crate::scripts;
 
@@ -64,6 +64,9 @@ struct Pool {
     connect_timeout: Duration,
     sync_replicas: Option<(u32, Duration)>,
     by_runtime: Mutex<HashMap<runtime::Id, Conn>>,
+    /// With `sync_replicas`: idle connections of each runtime for a grant and its WAIT, which
+    /// blocks the connection it runs on (and must run on the one that wrote the grant).
+    replicated: Mutex<HashMap<runtime::Id, Vec<MultiplexedConnection>>>,
     /// Set for a Redis Cluster: connections follow the slot map (MOVED, ASK, failovers).
     cluster: Option<ClusterClient>,
 }
@@ -145,6 +148,7 @@ impl Node {
                 connect_timeout: options.connect_timeout,
                 sync_replicas: options.sync_replicas,
                 by_runtime: Mutex::new(HashMap::new()),
+                replicated: Mutex::new(HashMap::new()),
             }),
         };
         Ok(node)
@@ -242,6 +246,7 @@ impl Node {
                             .lock()
                             .unwrap_or_else(|e| e.into_inner())
                             .clear();
+                        self.lock_replicated().clear();
                     }
                 }
                 Err(error) => tracing::warn!(%error, "bad master address from Sentinel"),
@@ -395,40 +400,88 @@ impl Node {
                 call
             }
         };
+        if let Some(sync) = self.pool.sync_replicas {
+            return self.acquire_replicated(req, &call, sync).await;
+        }
         let (held, value): (i64, i64) =
             self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
-        if held == 1
-            && let Some((wanted, timeout)) = self.pool.sync_replicas
-        {
-            // WAIT on the same connection covers the grant just written.
+        Ok(attempt(held, value))
+    }
+
+    /// Runs an acquire script and, after a grant, WAITs for `wanted` replicas for at most
+    /// `timeout`. Both go on a connection of their own: WAIT only covers the writes of its
+    /// connection, and blocks it meanwhile, so it must not be the shared one.
+    async fn acquire_replicated(
+        &self,
+        req: &AcquireRequest,
+        call: &redis::ScriptInvocation<'_>,
+        (wanted, timeout): (u32, Duration),
+    ) -> RedisResult<Attempt> {
+        let mut conn = self.replicated_conn().await?;
+        let (held, value): (i64, i64) =
+            self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
+        if held == 1 {
             let wait = redis::cmd("WAIT")
                 .arg(wanted)
-                .arg(
-                    u64::try_from(timeout.as_millis())
-                        .unwrap_or(u64::MAX)
-                        .max(1),
-                )
+                .arg(millis(timeout))
                 .to_owned();
-            let acked: i64 = bounded(
-                self.pool.response_timeout + timeout,
-                wait.query_async(&mut conn),
-            )
-            .await?;
+            let acked: i64 = self.watch(
+                bounded(
+                    self.pool.response_timeout + timeout,
+                    wait.query_async(&mut conn),
+                )
+                .await,
+            )?;
+            self.put_back(conn);
             let acked = u32::try_from(acked).unwrap_or(0);
             if acked < wanted {
                 self.release(&req.hold_ids(), Duration::ZERO).await?;
                 return Ok(Attempt::Unreplicated { acked, wanted });
             }
-        }
-        Ok(if held == 1 {
-            Attempt::Held {
-                fence: u64::try_from(value).unwrap_or(0),
-            }
         } else {
-            Attempt::Busy {
-                holder_ttl: u64::try_from(value).ok().map(Duration::from_millis),
-            }
-        })
+            self.put_back(conn);
+        }
+        Ok(attempt(held, value))
+    }
+
+    /// An idle connection of the current runtime for a grant and its WAIT, or a new one.
+    async fn replicated_conn(&self) -> RedisResult<MultiplexedConnection> {
+        let id = runtime::Handle::try_current()
+            .map_err(|_| RedisError::from(io::Error::other("no tokio runtime")))?
+            .id();
+        if let Some(conn) = self.lock_replicated().get_mut(&id).and_then(Vec::pop) {
+            return Ok(conn);
+        }
+        // Bounded by `bounded` around each command instead: WAIT takes longer than a reply.
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.pool.connect_timeout))
+            .set_response_timeout(None);
+        let client = self.client();
+        let connect = client.get_multiplexed_async_connection_with_config(&config);
+        self.watch(bounded(self.pool.connect_timeout, connect).await)
+    }
+
+    /// Keeps a connection that answered for the next grant (a few per runtime at most); one
+    /// that failed is dropped instead, as its state is unknown.
+    fn put_back(&self, conn: MultiplexedConnection) {
+        const IDLE: usize = 4;
+        let Ok(handle) = runtime::Handle::try_current() else {
+            return;
+        };
+        let mut idle = self.lock_replicated();
+        let idle = idle.entry(handle.id()).or_default();
+        if idle.len() < IDLE {
+            idle.push(conn);
+        }
+    }
+
+    fn lock_replicated(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<runtime::Id, Vec<MultiplexedConnection>>> {
+        self.pool
+            .replicated
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Gives back `hold` of `token` on `lock`, keeping the key `keep` longer (min_hold) once
@@ -666,6 +719,19 @@ impl AcquireRequest {
             token: self.token.clone(),
             hold: self.hold.clone(),
             share,
+        }
+    }
+}
+
+/// The answer of an acquire script: `(1, fence)` when granted, `(0, holder's pttl)` when not.
+fn attempt(held: i64, value: i64) -> Attempt {
+    if held == 1 {
+        Attempt::Held {
+            fence: u64::try_from(value).unwrap_or(0),
+        }
+    } else {
+        Attempt::Busy {
+            holder_ttl: u64::try_from(value).ok().map(Duration::from_millis),
         }
     }
 }
