@@ -145,3 +145,43 @@ async fn waiting_for_a_replica_blocks_no_other_request() {
     granted.release().await.unwrap();
     held.release().await.unwrap();
 }
+
+/// A frozen master costs a RedLock lease nothing: renewals and the release count on the
+/// others instead of waiting for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_redlock_master_neither_loses_a_lease_nor_holds_up_its_release() {
+    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start().unwrap()).collect();
+    let response_timeout = Duration::from_secs(60);
+    let locks = LockManager::builder()
+        .redlock(servers.iter().map(RedisServer::url))
+        .key_prefix("fz:")
+        .response_timeout(response_timeout)
+        .build()
+        .await
+        .unwrap();
+    servers[2].pause().unwrap();
+    let ttl = Duration::from_millis(600);
+    let guard = locks
+        .lock("k")
+        .ttl(ttl)
+        .watchdog(true)
+        .acquire()
+        .await
+        .unwrap();
+    let extended = tokio::time::timeout(response_timeout / 2, guard.extend(ttl))
+        .await
+        .expect("extend waited for the frozen master");
+    extended.unwrap();
+    // Several leases long: renewed on the two live masters every time.
+    tokio::time::sleep(ttl * 5).await;
+    assert!(!guard.is_lost(), "the lease was reported lost");
+    assert_eq!(locks.stats().leases_lost, 0);
+    let released = tokio::time::timeout(response_timeout / 2, guard.release())
+        .await
+        .expect("the release waited for the frozen master");
+    released.unwrap();
+    for server in &servers[..2] {
+        assert!(support::keys(server, "fz:").is_empty());
+    }
+    servers[2].resume().unwrap();
+}

@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use futures_util::future::join_all;
+use futures_util::stream::FuturesUnordered;
 use tokio::runtime;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
@@ -646,6 +648,13 @@ impl Sentinel {
     }
 }
 
+/// How long one RedLock master may take over its part of an operation on a lease of `lease`:
+/// a small part of the lease, so that a master that does not answer is counted as failed
+/// while the lease can still be used (or renewed) on the others.
+fn node_limit(lease: Duration) -> Duration {
+    (lease / 10).clamp(Duration::from_millis(10), Duration::from_secs(1))
+}
+
 /// Bounds `op`, reconnect waits included, by `limit`.
 async fn bounded<T>(limit: Duration, op: impl Future<Output = RedisResult<T>>) -> RedisResult<T> {
     match tokio::time::timeout(limit, op).await {
@@ -822,8 +831,7 @@ impl Backend {
         if let Some(node) = self.single() {
             return node.acquire(req).await;
         }
-        // A node that does not answer within a small part of the lease is counted as lost.
-        let limit = (req.lease / 10).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let limit = node_limit(req.lease);
         let started = std::time::Instant::now();
         let eligible = join_all(self.nodes.iter().map(Node::eligible)).await;
         let attempts = self
@@ -886,21 +894,39 @@ impl Backend {
     }
 
     /// Gives back one hold; with several nodes, `false` only when a majority did not hold it.
+    ///
+    /// With several nodes it answers as soon as the answers so far decide the outcome, and
+    /// leaves the slower nodes' releases to finish in the background: one frozen master does
+    /// not hold up the release (its copy of the lock ends with its lease otherwise).
     pub(crate) async fn release(&self, ids: &HoldIds, keep: Duration) -> RedisResult<bool> {
         if let Some(node) = self.single() {
             return node.release(ids, keep).await;
         }
-        let answers = join_all(self.nodes.iter().map(|n| n.release(ids, keep))).await;
+        let mut pending: FuturesUnordered<_> = self
+            .nodes
+            .iter()
+            .map(|node| {
+                let (node, ids) = (node.clone(), ids.clone());
+                async move { node.release(&ids, keep).await }
+            })
+            .collect();
         // Lost only when a majority positively did not hold it: a node that is down, or one
         // that never granted this hold, is not evidence that the lease ended.
         let (mut not_held, mut answered, mut error) = (0, 0, None);
-        for answer in answers {
+        while let Some(answer) = pending.next().await {
             match answer {
                 Ok(released) => {
                     answered += 1;
                     not_held += usize::from(!released);
                 }
                 Err(e) => error = Some(e),
+            }
+            let decided = not_held >= self.quorum || not_held + pending.len() < self.quorum;
+            if answered >= self.quorum && decided && !pending.is_empty() {
+                if let Ok(runtime) = runtime::Handle::try_current() {
+                    drop(runtime.spawn(async move { while pending.next().await.is_some() {} }));
+                }
+                break;
             }
         }
         match error {
@@ -920,10 +946,11 @@ impl Backend {
         if let Some(node) = self.single() {
             return node.extend(lock, share, token, lease).await;
         }
+        let limit = node_limit(lease);
         let answers = join_all(
             self.nodes
                 .iter()
-                .map(|n| n.extend(lock, share, token, lease)),
+                .map(|n| bounded(limit, n.extend(lock, share, token, lease))),
         )
         .await;
         self.majority(answers)
@@ -934,7 +961,11 @@ impl Backend {
         if let Some(node) = self.single() {
             return node.renew(items).await;
         }
-        let answers = join_all(self.nodes.iter().map(|n| n.renew(items))).await;
+        // Bounded by the shortest lease in the batch: a renewal that waited the full response
+        // timeout for a frozen master would end after the leases it renews.
+        let shortest = items.iter().map(|i| i.lease).min().unwrap_or_default();
+        let limit = node_limit(shortest);
+        let answers = join_all(self.nodes.iter().map(|n| bounded(limit, n.renew(items)))).await;
         let mut counts = vec![0usize; items.len()];
         let mut error = None;
         let mut answered = 0;
