@@ -185,3 +185,40 @@ async fn a_frozen_redlock_master_neither_loses_a_lease_nor_holds_up_its_release(
     }
     servers[2].resume().unwrap();
 }
+
+/// Behind a password, a Sentinel-managed master is reached with the Sentinel URL's
+/// credentials, and the password shows nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_master_behind_a_password() {
+    let password = "s3cret-pw";
+    let master = RedisServer::start_with_password(password).unwrap();
+    let sentinel = RedisServer::start_sentinel(&master, "pw-master", 1).unwrap();
+    assert!(sentinel.url().contains(password));
+    let locks = LockManager::builder()
+        .sentinel([sentinel.url()], "pw-master")
+        .key_prefix("pw:")
+        .build()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(!format!("{locks:?}").contains(password));
+    let guard = locks.lock("k").acquire().await.unwrap();
+    assert_eq!(
+        master.command(&["EXISTS", &locks.redis_key("k")]).unwrap(),
+        ":1"
+    );
+    assert!(!format!("{guard:?}").contains(password));
+    guard.release().await.unwrap();
+    assert!(support::keys(&master, "pw:").is_empty());
+
+    // The wrong password is refused, without being shown.
+    let wrong = LockManager::builder()
+        .sentinel(
+            [sentinel.url().replace(password, "not-the-password")],
+            "pw-master",
+        )
+        .build()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(!wrong.contains("not-the-password"), "{wrong}");
+}

@@ -17,7 +17,10 @@ use tokio::runtime;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{AsyncConnectionConfig, Client, RedisError, RedisResult};
+use redis::{
+    AsyncConnectionConfig, Client, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisError,
+    RedisResult,
+};
 
 use crate::scripts;
 
@@ -126,7 +129,7 @@ impl Node {
     }
 
     fn with(
-        url: &str,
+        url: impl IntoConnectionInfo,
         options: ConnectOptions,
         sentinel: Option<Sentinel>,
         cluster: Option<ClusterClient>,
@@ -168,8 +171,8 @@ impl Node {
             master: master.to_owned(),
             refreshing: AtomicBool::new(false),
         };
-        let url = source.resolve(options.connect_timeout).await?;
-        Self::with(&url, options, Some(source), None)
+        let master = source.resolve(options.connect_timeout).await?;
+        Self::with(master, options, Some(source), None)
     }
 
     /// A Redis Cluster reached through `seeds`; nothing is sent until it is used.
@@ -181,7 +184,7 @@ impl Node {
             .connection_timeout(options.connect_timeout)
             .response_timeout(options.response_timeout)
             .build()?;
-        Self::with(first, options, None, Some(cluster))
+        Self::with(first.as_str(), options, None, Some(cluster))
     }
 
     fn is_cluster(&self) -> bool {
@@ -229,8 +232,9 @@ impl Node {
             return;
         };
         match sentinel.resolve(self.pool.connect_timeout).await {
-            Ok(url) => match Client::open(url.as_str()) {
+            Ok(master) => match Client::open(master) {
                 Ok(client) => {
+                    let master = client.get_connection_info().addr().to_string();
                     let moved = {
                         let mut current =
                             self.pool.client.lock().unwrap_or_else(|e| e.into_inner());
@@ -242,7 +246,7 @@ impl Node {
                         moved
                     };
                     if moved {
-                        tracing::info!(master = %url, "following the new master");
+                        tracing::info!(%master, "following the new master");
                         self.pool
                             .by_runtime
                             .lock()
@@ -620,12 +624,20 @@ struct Sentinel {
 }
 
 impl Sentinel {
-    /// Asks the Sentinels, in turn, for the master's address: `redis://host:port`.
-    async fn resolve(&self, limit: Duration) -> RedisResult<String> {
+    /// Asks the Sentinels, in turn, for the master's address. The master is reached with the
+    /// answering Sentinel's URL settings (user name, password, database, TLS) at that address.
+    async fn resolve(&self, limit: Duration) -> RedisResult<ConnectionInfo> {
         let mut last = None;
         for url in &self.sentinels {
+            let info = match url.as_str().into_connection_info() {
+                Ok(info) => info,
+                Err(error) => {
+                    last = Some(error);
+                    continue;
+                }
+            };
             let ask = async {
-                let client = Client::open(url.as_str())?;
+                let client = Client::open(info.clone())?;
                 let mut conn = client.get_multiplexed_async_connection().await?;
                 let addr: Option<(String, u16)> = redis::cmd("SENTINEL")
                     .arg("get-master-addr-by-name")
@@ -640,7 +652,22 @@ impl Sentinel {
                 })
             };
             match bounded(limit, ask).await {
-                Ok((host, port)) => return Ok(format!("redis://{host}:{port}")),
+                Ok((host, port)) => {
+                    let addr = match info.addr() {
+                        ConnectionAddr::TcpTls {
+                            insecure,
+                            tls_params,
+                            ..
+                        } => ConnectionAddr::TcpTls {
+                            host,
+                            port,
+                            insecure: *insecure,
+                            tls_params: tls_params.clone(),
+                        },
+                        _ => ConnectionAddr::Tcp(host, port),
+                    };
+                    return Ok(info.set_addr(addr));
+                }
                 Err(error) => last = Some(error),
             }
         }

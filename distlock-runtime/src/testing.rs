@@ -34,6 +34,8 @@ pub struct RedisServer {
     dir: PathBuf,
     binary: PathBuf,
     extra: Vec<String>,
+    /// Required of clients (`requirepass`); the harness's own commands authenticate.
+    password: Option<Password>,
     /// Runs as a Sentinel monitoring this (name, master port, quorum).
     sentinel: Option<(String, u16, u32)>,
     child: Mutex<Option<Child>>,
@@ -43,6 +45,16 @@ impl RedisServer {
     /// Starts a server on a free loopback port and waits until it answers `PING`.
     pub fn start() -> io::Result<Self> {
         Self::start_with(Vec::new())
+    }
+
+    /// Starts a server that requires `password` of its clients (`requirepass`). Its
+    /// [`url`](Self::url) carries the password, and the harness's own commands send it.
+    pub fn start_with_password(password: &str) -> io::Result<Self> {
+        Self::start_as(
+            vec!["--requirepass".into(), password.into()],
+            None,
+            Some(Password(password.to_owned())),
+        )
     }
 
     /// Starts a replica of `master` and waits until the master sees it online. A restart
@@ -166,16 +178,25 @@ impl RedisServer {
 
     /// Starts a Sentinel that monitors `master` as `name` with the given quorum, and notices a
     /// failed master quickly (down after 300 ms). Several Sentinels started for one master find
-    /// each other through it.
+    /// each other through it. A Sentinel of a master [with a password](Self::start_with_password)
+    /// requires the same password, and uses it with the master and the other Sentinels.
     pub fn start_sentinel(master: &RedisServer, name: &str, quorum: u32) -> io::Result<Self> {
-        Self::start_as(Vec::new(), Some((name.to_owned(), master.port, quorum)))
+        Self::start_as(
+            Vec::new(),
+            Some((name.to_owned(), master.port, quorum)),
+            master.password.clone(),
+        )
     }
 
     fn start_with(extra: Vec<String>) -> io::Result<Self> {
-        Self::start_as(extra, None)
+        Self::start_as(extra, None, None)
     }
 
-    fn start_as(extra: Vec<String>, sentinel: Option<(String, u16, u32)>) -> io::Result<Self> {
+    fn start_as(
+        extra: Vec<String>,
+        sentinel: Option<(String, u16, u32)>,
+        password: Option<Password>,
+    ) -> io::Result<Self> {
         let binary = find_binary()?;
         let mut last_error = None;
         // The port is free when chosen but another process may take it before redis-server
@@ -187,6 +208,7 @@ impl RedisServer {
                 dir: scratch_dir(port)?,
                 binary: binary.clone(),
                 extra: extra.clone(),
+                password: password.clone(),
                 sentinel: sentinel.clone(),
                 child: Mutex::new(None),
             };
@@ -211,9 +233,13 @@ impl RedisServer {
         Ok(server)
     }
 
-    /// `redis://127.0.0.1:<port>`.
+    /// `redis://127.0.0.1:<port>`, or `redis://:<password>@127.0.0.1:<port>` for a server
+    /// started with a password.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        match &self.password {
+            Some(Password(password)) => format!("redis://:{password}@127.0.0.1:{}", self.port),
+            None => format!("redis://127.0.0.1:{}", self.port),
+        }
     }
 
     /// The loopback port the server listens on.
@@ -254,8 +280,7 @@ impl RedisServer {
     /// Sends one command and returns the raw RESP reply: a small synchronous client for
     /// checks that must not go through the code under test.
     pub fn command(&self, args: &[&str]) -> io::Result<String> {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
-        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let mut stream = self.connect()?;
         stream.write_all(encode(args).as_bytes())?;
         read_reply(&mut stream)
     }
@@ -263,14 +288,27 @@ impl RedisServer {
     /// Sends several commands on one connection, in order, and returns their raw replies
     /// (for commands such as `WAIT` that concern the connection's own writes).
     pub fn commands(&self, commands: &[&[&str]]) -> io::Result<Vec<String>> {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
-        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let mut stream = self.connect()?;
         let mut replies = Vec::with_capacity(commands.len());
         for args in commands {
             stream.write_all(encode(args).as_bytes())?;
             replies.push(read_reply(&mut stream)?);
         }
         Ok(replies)
+    }
+
+    /// A connection for the harness's own commands, authenticated if the server needs it.
+    fn connect(&self) -> io::Result<TcpStream> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        if let Some(Password(password)) = &self.password {
+            stream.write_all(encode(&["AUTH", password]).as_bytes())?;
+            let reply = read_reply(&mut stream)?;
+            if reply != "+OK" {
+                return Err(io::Error::other(format!("AUTH refused: {reply}")));
+            }
+        }
+        Ok(stream)
     }
 
     fn launch(&self) -> io::Result<()> {
@@ -286,8 +324,11 @@ impl RedisServer {
                      sentinel monitor {name} 127.0.0.1 {master} {quorum}\n\
                      sentinel down-after-milliseconds {name} 300\n\
                      sentinel failover-timeout {name} 2000\n\
-                     sentinel parallel-syncs {name} 1\n",
-                    dir = self.dir.display()
+                     sentinel parallel-syncs {name} 1\n{auth}",
+                    dir = self.dir.display(),
+                    auth = self.password.as_ref().map_or_else(String::new, |Password(p)| format!(
+                        "requirepass {p}\nsentinel auth-pass {name} {p}\nsentinel sentinel-pass {p}\n"
+                    )),
                 ),
             )?;
             command.arg(&config).arg("--sentinel");
@@ -364,6 +405,16 @@ impl RedisServer {
 
     fn lock_child(&self) -> std::sync::MutexGuard<'_, Option<Child>> {
         self.child.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A server's password, kept out of `Debug` output.
+#[derive(Clone)]
+struct Password(String);
+
+impl std::fmt::Debug for Password {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
     }
 }
 
