@@ -26,6 +26,7 @@
 mod backend;
 mod context;
 mod driver;
+mod env;
 mod error;
 mod guard;
 mod key;

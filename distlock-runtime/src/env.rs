@@ -1,0 +1,297 @@
+//! Configuration from environment variables: [`LockManager::from_env`].
+
+use std::time::Duration;
+
+use crate::LockError;
+use crate::manager::{LockManager, LockManagerBuilder, redact_url};
+
+/// The variables [`LockManagerBuilder::from_vars`] reads, in the order it checks them.
+const TOPOLOGIES: [&str; 4] = [
+    "DISTLOCK_URL",
+    "DISTLOCK_CLUSTER",
+    "DISTLOCK_SENTINEL",
+    "DISTLOCK_REDLOCK",
+];
+
+impl LockManager {
+    /// Builds a manager from the process environment and connects, as
+    /// [`LockManagerBuilder::from_env`] then [`build`](LockManagerBuilder::build).
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), distlock_runtime::LockError> {
+    /// // DISTLOCK_URL=redis://127.0.0.1:6379 DISTLOCK_KEY_PREFIX=myapp:lock:
+    /// let locks = distlock_runtime::LockManager::from_env().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn from_env() -> Result<LockManager, LockError> {
+        LockManagerBuilder::from_env()?.build().await
+    }
+}
+
+impl LockManagerBuilder {
+    /// A builder configured from the process environment; options set on it afterwards
+    /// override what the environment said.
+    ///
+    /// | variable | meaning |
+    /// |---|---|
+    /// | `DISTLOCK_URL` | one Redis server (falls back to `REDIS_URL` when no topology variable is set) |
+    /// | `DISTLOCK_CLUSTER` | Redis Cluster seeds, comma-separated URLs |
+    /// | `DISTLOCK_SENTINEL` + `DISTLOCK_SENTINEL_MASTER` | Sentinel URLs, comma-separated, and the master's name |
+    /// | `DISTLOCK_REDLOCK` | RedLock masters, comma-separated URLs (at least 3) |
+    /// | `DISTLOCK_KEY_PREFIX` | the key prefix |
+    /// | `DISTLOCK_DEFAULT_TTL` | the default lease: `30s`, `500ms`, `2m`, `1h` |
+    /// | `DISTLOCK_CONNECT_TIMEOUT`, `DISTLOCK_RESPONSE_TIMEOUT` | durations, as above |
+    ///
+    /// Exactly one topology may be set. A bad value is a [`LockError::Config`] that names
+    /// the variable (and never shows a password).
+    pub fn from_env() -> Result<Self, LockError> {
+        Self::from_vars(std::env::vars_os().filter_map(|(name, value)| {
+            Some((name.into_string().ok()?, value.into_string().ok()?))
+        }))
+    }
+
+    /// As [`from_env`](Self::from_env), from the given `(name, value)` pairs instead of the
+    /// process environment (variables not listed are unset).
+    pub fn from_vars<I, K, V>(vars: I) -> Result<Self, LockError>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let vars: Vec<(String, String)> = vars
+            .into_iter()
+            .map(|(k, v)| (k.as_ref().to_owned(), v.as_ref().to_owned()))
+            .collect();
+        let get = |name: &str| {
+            vars.iter()
+                .rev()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.trim())
+                .filter(|v| !v.is_empty())
+        };
+        let set: Vec<&str> = TOPOLOGIES
+            .into_iter()
+            .filter(|name| get(name).is_some())
+            .collect();
+        let mut builder = match set.as_slice() {
+            [] => match get("REDIS_URL") {
+                Some(url) => Self::default().redis_url(url),
+                None => {
+                    return Err(LockError::Config(
+                        "no Redis endpoint in the environment: set DISTLOCK_URL (or REDIS_URL), \
+                         DISTLOCK_CLUSTER, DISTLOCK_SENTINEL or DISTLOCK_REDLOCK"
+                            .into(),
+                    ));
+                }
+            },
+            ["DISTLOCK_URL"] => Self::default().redis_url(url_var(&get, "DISTLOCK_URL")?),
+            ["DISTLOCK_CLUSTER"] => Self::default().cluster(list_var(&get, "DISTLOCK_CLUSTER")?),
+            ["DISTLOCK_SENTINEL"] => {
+                let master = get("DISTLOCK_SENTINEL_MASTER").ok_or_else(|| {
+                    LockError::Config(
+                        "DISTLOCK_SENTINEL is set but DISTLOCK_SENTINEL_MASTER (the master's \
+                         name) is not"
+                            .into(),
+                    )
+                })?;
+                Self::default().sentinel(list_var(&get, "DISTLOCK_SENTINEL")?, master)
+            }
+            ["DISTLOCK_REDLOCK"] => Self::default().redlock(list_var(&get, "DISTLOCK_REDLOCK")?),
+            several => {
+                return Err(LockError::Config(format!(
+                    "{} are all set: choose one topology",
+                    several.join(" and ")
+                )));
+            }
+        };
+        if let Some(prefix) = get("DISTLOCK_KEY_PREFIX") {
+            builder = builder.key_prefix(prefix);
+        }
+        if let Some(ttl) = duration_var(&get, "DISTLOCK_DEFAULT_TTL")? {
+            builder = builder.default_ttl(ttl);
+        }
+        if let Some(timeout) = duration_var(&get, "DISTLOCK_CONNECT_TIMEOUT")? {
+            builder = builder.connect_timeout(timeout);
+        }
+        if let Some(timeout) = duration_var(&get, "DISTLOCK_RESPONSE_TIMEOUT")? {
+            builder = builder.response_timeout(timeout);
+        }
+        Ok(builder)
+    }
+}
+
+/// One URL, checked for a scheme the redis client understands.
+fn url_var<'a>(get: &impl Fn(&str) -> Option<&'a str>, name: &str) -> Result<String, LockError> {
+    let url = get(name).unwrap_or_default();
+    check_url(name, url)?;
+    Ok(url.to_owned())
+}
+
+/// Comma-separated URLs, each checked.
+fn list_var<'a>(
+    get: &impl Fn(&str) -> Option<&'a str>,
+    name: &str,
+) -> Result<Vec<String>, LockError> {
+    let urls: Vec<String> = get(name)
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if urls.is_empty() {
+        return Err(LockError::Config(format!(
+            "{name} holds no URL: expected comma-separated `redis://host:port` URLs"
+        )));
+    }
+    for url in &urls {
+        check_url(name, url)?;
+    }
+    Ok(urls)
+}
+
+fn check_url(name: &str, url: &str) -> Result<(), LockError> {
+    let scheme = url.split_once("://").map(|(scheme, _)| scheme);
+    if matches!(
+        scheme,
+        Some("redis" | "rediss" | "valkey" | "valkeys" | "redis+unix" | "unix")
+    ) {
+        Ok(())
+    } else {
+        Err(LockError::Config(format!(
+            "{name} must hold `redis://` or `rediss://` URLs, got `{}`",
+            redact_url(url)
+        )))
+    }
+}
+
+fn duration_var<'a>(
+    get: &impl Fn(&str) -> Option<&'a str>,
+    name: &str,
+) -> Result<Option<Duration>, LockError> {
+    get(name)
+        .map(|value| {
+            parse_duration(value).ok_or_else(|| {
+                LockError::Config(format!(
+                    "{name} must be a duration above zero such as `30s`, `500ms`, `2m` or `1h`, \
+                     got `{value}`"
+                ))
+            })
+        })
+        .transpose()
+}
+
+/// `"250ms"`, `"10s"`, `"2m"`, `"1h"`: a whole number and a unit; zero is refused.
+fn parse_duration(text: &str) -> Option<Duration> {
+    let split = text.find(|c: char| !c.is_ascii_digit())?;
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number.parse().ok()?;
+    let duration = match unit.trim() {
+        "ms" => Duration::from_millis(number),
+        "s" => Duration::from_secs(number),
+        "m" => Duration::from_secs(number.checked_mul(60)?),
+        "h" => Duration::from_secs(number.checked_mul(3600)?),
+        _ => return None,
+    };
+    (!duration.is_zero()).then_some(duration)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config_error(vars: &[(&str, &str)]) -> String {
+        match LockManagerBuilder::from_vars(vars.iter().copied()) {
+            Err(LockError::Config(message)) => message,
+            other => panic!("expected a Config error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn durations_take_a_unit() {
+        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_duration("10s"), Some(Duration::from_secs(10)));
+        assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1h"), Some(Duration::from_secs(3600)));
+        for bad in [
+            "",
+            "10",
+            "s",
+            "0s",
+            "1.5s",
+            "-1s",
+            "10 days",
+            "99999999999999999999h",
+        ] {
+            assert_eq!(parse_duration(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn every_topology_is_read() {
+        let single = LockManagerBuilder::from_vars([("DISTLOCK_URL", "redis://a:1")]).unwrap();
+        assert!(format!("{single:?}").contains("redis://a:1"));
+        let fallback = LockManagerBuilder::from_vars([("REDIS_URL", "redis://b:2")]).unwrap();
+        assert!(format!("{fallback:?}").contains("redis://b:2"));
+        let cluster =
+            LockManagerBuilder::from_vars([("DISTLOCK_CLUSTER", "redis://a:1, redis://b:2")])
+                .unwrap();
+        assert!(format!("{cluster:?}").contains("redis://b:2"));
+        let redlock = LockManagerBuilder::from_vars([(
+            "DISTLOCK_REDLOCK",
+            "redis://a:1,redis://b:2,redis://c:3",
+        )])
+        .unwrap();
+        assert!(format!("{redlock:?}").contains("redlock: true"));
+        let sentinel = LockManagerBuilder::from_vars([
+            ("DISTLOCK_SENTINEL", "redis://s:26379"),
+            ("DISTLOCK_SENTINEL_MASTER", "mymaster"),
+        ])
+        .unwrap();
+        assert!(format!("{sentinel:?}").contains("mymaster"));
+    }
+
+    #[test]
+    fn options_are_read() {
+        let builder = LockManagerBuilder::from_vars([
+            ("DISTLOCK_URL", "redis://a:1"),
+            ("DISTLOCK_KEY_PREFIX", "svc:lock:"),
+            ("DISTLOCK_DEFAULT_TTL", "7s"),
+            ("DISTLOCK_RESPONSE_TIMEOUT", "250ms"),
+        ])
+        .unwrap();
+        let debug = format!("{builder:?}");
+        assert!(debug.contains("svc:lock:"), "{debug}");
+        assert!(debug.contains("ttl: 7s"), "{debug}");
+        assert!(debug.contains("response_timeout: 250ms"), "{debug}");
+    }
+
+    #[test]
+    fn a_bad_value_names_its_variable() {
+        assert!(config_error(&[]).contains("DISTLOCK_URL"));
+        let ttl = config_error(&[
+            ("DISTLOCK_URL", "redis://a:1"),
+            ("DISTLOCK_DEFAULT_TTL", "soon"),
+        ]);
+        assert!(
+            ttl.contains("DISTLOCK_DEFAULT_TTL") && ttl.contains("soon"),
+            "{ttl}"
+        );
+        let url = config_error(&[("DISTLOCK_URL", "http://user:hunter2@a:1")]);
+        assert!(url.contains("DISTLOCK_URL"), "{url}");
+        assert!(!url.contains("hunter2"), "{url}");
+        let two = config_error(&[
+            ("DISTLOCK_URL", "redis://a:1"),
+            ("DISTLOCK_CLUSTER", "redis://b:2"),
+        ]);
+        assert!(
+            two.contains("DISTLOCK_URL") && two.contains("DISTLOCK_CLUSTER"),
+            "{two}"
+        );
+        let master = config_error(&[("DISTLOCK_SENTINEL", "redis://s:26379")]);
+        assert!(master.contains("DISTLOCK_SENTINEL_MASTER"), "{master}");
+        let empty = config_error(&[("DISTLOCK_REDLOCK", " , ")]);
+        assert!(empty.contains("DISTLOCK_REDLOCK"), "{empty}");
+    }
+}
