@@ -28,6 +28,8 @@ pub(crate) enum Attempt {
     Busy { holder_ttl: Option<Duration> },
     /// Granted, but fewer replicas than asked acknowledged it: already given back.
     Unreplicated { acked: u32, wanted: u32 },
+    /// Not granted: the semaphore is in use with `stored` permits, not the number asked for.
+    PermitsMismatch { stored: u32 },
 }
 
 /// How a backend connects.
@@ -420,14 +422,16 @@ impl Node {
                 return Ok(Attempt::Unreplicated { acked, wanted });
             }
         }
-        Ok(if held == 1 {
-            Attempt::Held {
+        Ok(match held {
+            1 => Attempt::Held {
                 fence: u64::try_from(value).unwrap_or(0),
-            }
-        } else {
-            Attempt::Busy {
+            },
+            -1 => Attempt::PermitsMismatch {
+                stored: u32::try_from(value).unwrap_or(u32::MAX),
+            },
+            _ => Attempt::Busy {
                 holder_ttl: u64::try_from(value).ok().map(Duration::from_millis),
-            }
+            },
         })
     }
 
@@ -785,7 +789,8 @@ impl Backend {
                     held += 1;
                     fence = fence.max(f);
                 }
-                Ok(Attempt::Unreplicated { .. }) => {}
+                // Semaphores are not available with several masters: no mismatch comes here.
+                Ok(Attempt::Unreplicated { .. } | Attempt::PermitsMismatch { .. }) => {}
                 Ok(Attempt::Busy { holder_ttl }) => {
                     busy_for = match (busy_for, holder_ttl) {
                         (Some(a), Some(b)) => Some(a.min(b)),

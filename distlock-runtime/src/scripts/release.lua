@@ -15,8 +15,14 @@
 
 local lock, token, hold = KEYS[1], ARGV[1], ARGV[2]
 
-local count = tonumber(redis.call('hget', lock, token) or '0')
-if count == 0 then
+-- Only this owner's own exclusive or write lock is touched; a key that is not a hash was
+-- not written by these scripts.
+local fields = redis.pcall('hmget', lock, 'mode', token)
+if fields['err'] then
+  return 0
+end
+local mode, count = fields[1], tonumber(fields[2] or '0')
+if count == 0 or (mode and mode ~= 'write') then
   return 0
 end
 
@@ -33,9 +39,10 @@ end
 
 local keep = tonumber(ARGV[3])
 if keep > 0 then
-  -- Nobody owns it any more, but nobody may take it before min_hold has passed.
+  -- Nobody owns it any more, but no lock of any kind may be taken before min_hold has
+  -- passed: the marker is a lock of its own kind, with no owner.
   redis.call('del', lock)
-  redis.call('hset', lock, 'min_hold', 1)
+  redis.call('hset', lock, 'mode', 'min_hold')
   redis.call('pexpire', lock, keep)
 else
   redis.call('del', lock)
