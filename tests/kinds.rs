@@ -243,6 +243,46 @@ async fn nested_write_holds_released_inner_first() {
     nested(Write, false, "nestwi").await;
 }
 
+/// A nested hold that outlives an outer hold with `min_hold` still leaves the marker: the
+/// window of the outer hold is kept whatever the order of release.
+#[tokio::test]
+async fn min_hold_of_an_outer_hold_released_first_is_kept() {
+    let server = shared_server();
+    let prefix = unique_prefix("nestmin");
+    let locks = manager(&server, &prefix).await;
+    distlock::scope(async {
+        let outer = locks
+            .write_lock("job")
+            .reentrant(true)
+            .min_hold(Duration::from_secs(5))
+            .acquire()
+            .await
+            .unwrap();
+        let inner = locks.lock("job").reentrant(true).acquire().await.unwrap();
+        outer.release().await.unwrap();
+        inner.release().await.unwrap();
+    })
+    .await;
+    let others = locks.clone();
+    let granted = tokio::spawn(async move { try_take(&others, Write, "job").await.is_some() })
+        .await
+        .unwrap();
+    assert!(!granted, "a second run within the outer hold's min_hold");
+    let next = locks
+        .write_lock("job")
+        .wait(Duration::from_secs(10))
+        .retry_delay(Duration::from_millis(20))
+        .acquire()
+        .await
+        .unwrap();
+    next.release().await.unwrap();
+    assert!(
+        keys(&server, &prefix).is_empty(),
+        "{:?}",
+        keys(&server, &prefix)
+    );
+}
+
 /// Nested read holds beside another owner's read share leave nothing of theirs in the lock
 /// (the hash would otherwise grow while readers keep overlapping).
 #[tokio::test]
