@@ -33,6 +33,8 @@ pub(crate) enum Attempt {
     Busy { holder_ttl: Option<Duration> },
     /// Granted, but fewer replicas than asked acknowledged it: already given back.
     Unreplicated { acked: u32, wanted: u32 },
+    /// Not granted: the semaphore is in use with `stored` permits, not the number asked for.
+    PermitsMismatch { stored: u32 },
 }
 
 /// How a backend connects.
@@ -761,14 +763,16 @@ impl AcquireRequest {
 
 /// The answer of an acquire script: `(1, fence)` when granted, `(0, holder's pttl)` when not.
 fn attempt(held: i64, value: i64) -> Attempt {
-    if held == 1 {
-        Attempt::Held {
+    match held {
+        1 => Attempt::Held {
             fence: u64::try_from(value).unwrap_or(0),
-        }
-    } else {
-        Attempt::Busy {
+        },
+        -1 => Attempt::PermitsMismatch {
+            stored: u32::try_from(value).unwrap_or(u32::MAX),
+        },
+        _ => Attempt::Busy {
             holder_ttl: u64::try_from(value).ok().map(Duration::from_millis),
-        }
+        },
     }
 }
 
@@ -886,7 +890,8 @@ impl Backend {
                     held += 1;
                     fence = fence.max(f);
                 }
-                Ok(Attempt::Unreplicated { .. }) => {}
+                // Semaphores are not available with several masters: no mismatch comes here.
+                Ok(Attempt::Unreplicated { .. } | Attempt::PermitsMismatch { .. }) => {}
                 Ok(Attempt::Busy { holder_ttl }) => {
                     busy_for = match (busy_for, holder_ttl) {
                         (Some(a), Some(b)) => Some(a.min(b)),

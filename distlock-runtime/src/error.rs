@@ -71,6 +71,24 @@ pub enum LockError {
         wanted: u32,
     },
 
+    /// The semaphore is in use with a different number of permits than this request asked
+    /// for. Every user of one key must pass the same `permits`; waiting would not help, so
+    /// this is not retried. Another count can be used once every permit has been returned.
+    #[error(
+        "semaphore `{key}` is in use with {stored} permit(s), but this request asked for \
+         {requested}: every user of one key must pass the same `permits` (another count can \
+         be used once all its permits are returned)"
+    )]
+    #[non_exhaustive]
+    PermitsMismatch {
+        /// The key as the caller named it.
+        key: String,
+        /// The number of permits the key is in use with.
+        stored: u32,
+        /// The number of permits this request asked for.
+        requested: u32,
+    },
+
     /// Redis could not be reached or answered with an error.
     #[error("redis error on lock `{key}`: {source}")]
     #[non_exhaustive]
@@ -131,6 +149,7 @@ impl LockError {
             | Self::WouldDeadlock { key }
             | Self::Upgrade { key }
             | Self::NotReplicated { key, .. }
+            | Self::PermitsMismatch { key, .. }
             | Self::Redis { key, .. } => Some(key),
             _ => None,
         }

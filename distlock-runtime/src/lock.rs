@@ -181,8 +181,11 @@ impl<'m> LockRequest<'m> {
     /// Takes the lock, retrying within the request's bounds.
     ///
     /// Errors: [`LockError::Busy`] when another owner kept it for all attempts (or for the
-    /// whole `wait`); [`LockError::Redis`] when the last attempt could not reach Redis;
-    /// [`LockError::InvalidInput`] for a bad key or ttl, before anything is sent.
+    /// whole `wait`), whatever kind of lock that owner holds on the key;
+    /// [`LockError::Redis`] when the last attempt could not reach Redis;
+    /// [`LockError::InvalidInput`] for a bad key or ttl, before anything is sent;
+    /// [`LockError::PermitsMismatch`] at once, without retrying, for a semaphore in use with
+    /// another number of permits.
     ///
     /// Cancel-safe: if this future is dropped while an attempt is in flight, a release for
     /// that attempt's token is sent right behind it, so no lock is left behind.
@@ -193,7 +196,8 @@ impl<'m> LockRequest<'m> {
         acquire(self.manager, plan).instrument(span).await
     }
 
-    /// Makes exactly one attempt: `Ok(None)` when another owner holds the lock.
+    /// Makes exactly one attempt: `Ok(None)` when another owner holds the lock (of any kind).
+    /// Other errors are those of [`acquire`](Self::acquire).
     pub async fn try_acquire(self) -> Result<Option<LockGuard>, LockError> {
         match self.retries(0).wait(Duration::ZERO).acquire().await {
             Ok(guard) => Ok(Some(guard)),
@@ -398,6 +402,19 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
             Ok(Attempt::Busy { holder_ttl }) => {
                 in_flight.maybe_held = false;
                 (holder_ttl, None)
+            }
+            // Waiting cannot help: the other users of the key must agree on the count first.
+            Ok(Attempt::PermitsMismatch { stored }) => {
+                in_flight.maybe_held = false;
+                let requested = match plan.kind {
+                    RequestKind::Permits(permits) => permits,
+                    _ => 0,
+                };
+                return Err(LockError::PermitsMismatch {
+                    key: plan.keys.name.clone(),
+                    stored,
+                    requested,
+                });
             }
             Ok(Attempt::Unreplicated { acked, wanted }) => {
                 in_flight.maybe_held = false;

@@ -3,14 +3,22 @@
 //! Each script lives in its own `.lua` file beside this module and is built once into a
 //! [`redis::Script`], which runs with EVALSHA and loads itself again on NOSCRIPT (after a
 //! server restart or `SCRIPT FLUSH`). Keys and values travel in KEYS/ARGV, never in the text.
+//!
+//! One key may be used through several lock kinds; `kind.lua`, shared by the scripts that
+//! take locks and give shares back, tells them apart, so that only readers together and
+//! permits up to N overlap, and no script rewrites or deletes what another kind wrote.
 
 use std::sync::LazyLock;
 
 use redis::Script;
 
 /// Take (or re-enter) an exclusive lock: `{1, fence}` when held, `{0, pttl}` when busy.
-pub(crate) static ACQUIRE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("scripts/acquire.lua")));
+pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("scripts/kind.lua"),
+        include_str!("scripts/acquire.lua")
+    ))
+});
 
 /// Give back one hold of an exclusive lock if the token still owns it: 1 released, 0 not held.
 pub(crate) static RELEASE: LazyLock<Script> =
@@ -25,16 +33,29 @@ pub(crate) static RENEW: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("scripts/renew.lua")));
 
 /// Take the write side of a read-write lock: `{1, fence}` or `{0, pttl}`.
-pub(crate) static WRITE_ACQUIRE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("scripts/write_acquire.lua")));
+pub(crate) static WRITE_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("scripts/kind.lua"),
+        include_str!("scripts/write_acquire.lua")
+    ))
+});
 
-/// Take a read share or a semaphore permit: `{1, fence}` or `{0, pttl}`.
-pub(crate) static SHARE_ACQUIRE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("scripts/share_acquire.lua")));
+/// Take a read share or a semaphore permit: `{1, fence}`, `{0, pttl}`, or `{-1, permits}`
+/// when the semaphore is in use with another number of permits.
+pub(crate) static SHARE_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("scripts/kind.lua"),
+        include_str!("scripts/share_acquire.lua")
+    ))
+});
 
 /// Give back one hold of a share: 1 released, 0 not held.
-pub(crate) static SHARE_RELEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("scripts/share_release.lua")));
+pub(crate) static SHARE_RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("scripts/kind.lua"),
+        include_str!("scripts/share_release.lua")
+    ))
+});
 
 /// Every script, for loading them all when a manager connects.
 pub(crate) fn all() -> [&'static Script; 7] {

@@ -10,13 +10,15 @@
 -- ARGV[5]  "1" if a holder with the same token may re-enter, "0" otherwise
 --
 -- Returns {1, fence} when the caller holds the lock (fence is 0 without fencing),
--- or {0, pttl} when another owner holds it for pttl more milliseconds.
+-- or {0, pttl} when another owner (of any kind, or the min_hold marker) holds it for pttl
+-- more milliseconds. Only this owner's own exclusive or write lock is re-entered.
 -- Idempotent per hold id: a request resent after a lost reply finds its own hold and
 -- succeeds again without counting twice or drawing a second fencing token.
 
 local lock, token, lease, hold = KEYS[1], ARGV[1], tonumber(ARGV[2]), ARGV[4]
 
-if redis.call('exists', lock) == 0 then
+local kind = kind_of(lock)
+if kind == nil or free_of_dead_shares(lock, kind) then
   local fence = 0
   if ARGV[3] == '1' then
     fence = redis.call('incr', KEYS[2])
@@ -36,6 +38,10 @@ local function held()
   return {1, tonumber(redis.call('hget', lock, 'fence') or '0')}
 end
 
+if kind ~= 'exclusive' and kind ~= 'write' then
+  return {0, redis.call('pttl', lock)}
+end
+
 if hold == token then
   -- A first hold: resent if the token already holds the lock.
   if redis.call('hexists', lock, token) == 1 then
@@ -45,8 +51,10 @@ elseif redis.call('hexists', lock, 'h:' .. hold) == 1 then
   return held()
 elseif ARGV[5] == '1' and redis.call('hexists', lock, token) == 1 then
   -- Nesting starts: from now on every hold has a marker, the first one included.
-  redis.call('hincrby', lock, token, 1)
-  redis.call('hset', lock, 'h:' .. hold, 1, 'h:' .. token, 1)
+  if redis.call('hincrby', lock, token, 1) == 2 then
+    redis.call('hset', lock, 'h:' .. token, 1)
+  end
+  redis.call('hset', lock, 'h:' .. hold, 1)
   return held()
 end
 

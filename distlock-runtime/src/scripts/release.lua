@@ -4,8 +4,10 @@
 -- KEYS[2]  the lock's wake channel (same hash tag): told when the lock becomes free
 -- ARGV[1]  owner token
 -- ARGV[2]  hold id
--- ARGV[3]  milliseconds the key must still live after the last hold ends (min_hold);
---          "0" deletes it at once
+-- ARGV[3]  milliseconds the key must still live after this hold ends (min_hold); "0"
+--          deletes it at once when this is the last hold (unless an earlier hold of the
+--          owner asked for a min_hold, noted in the "min_hold" field and timed by the
+--          key <lock>:mh)
 --
 -- Returns 1 when the hold was given back (the last hold deletes the lock, or leaves it to
 -- expire after ARGV[3] ms with no owner), 0 when the caller did not hold the lock (its lease
@@ -14,12 +16,20 @@
 -- still holds the lock through other holds, succeeds without counting twice.
 
 local lock, token, hold = KEYS[1], ARGV[1], ARGV[2]
+local window = lock .. ':mh'
 
-local count = tonumber(redis.call('hget', lock, token) or '0')
-if count == 0 then
+-- Only this owner's own exclusive or write lock is touched; a key that is not a hash was
+-- not written by these scripts.
+local fields = redis.pcall('hmget', lock, 'mode', token, 'min_hold')
+if fields['err'] then
+  return 0
+end
+local mode, count = fields[1], tonumber(fields[2] or '0')
+if count == 0 or (mode and mode ~= 'write') then
   return 0
 end
 
+local keep = tonumber(ARGV[3])
 if count > 1 or hold ~= token then
   -- Nested holds carry markers: give back this one, once.
   if redis.call('hdel', lock, 'h:' .. hold) == 0 then
@@ -27,15 +37,32 @@ if count > 1 or hold ~= token then
   end
   count = redis.call('hincrby', lock, token, -1)
   if count > 0 then
+    if keep > 0 then
+      -- Holds of this owner remain: the lock lives at least until this hold's min_hold
+      -- ends, and the last release leaves the marker for what is left of it, as timed by
+      -- the window key <lock>:mh (same hash tag).
+      if redis.call('pttl', lock) < keep then
+        redis.call('pexpire', lock, keep)
+      end
+      if redis.call('pttl', window) < keep then
+        redis.call('set', window, 1, 'PX', keep)
+      end
+      redis.call('hset', lock, 'min_hold', 1)
+    end
     return 1
   end
 end
 
-local keep = tonumber(ARGV[3])
+if fields[3] then
+  -- An earlier hold's min_hold may not have passed yet.
+  keep = math.max(keep, redis.call('pttl', window))
+  redis.call('del', window)
+end
 if keep > 0 then
-  -- Nobody owns it any more, but nobody may take it before min_hold has passed.
+  -- Nobody owns it any more, but no lock of any kind may be taken before min_hold has
+  -- passed: the marker is a lock of its own kind, with no owner.
   redis.call('del', lock)
-  redis.call('hset', lock, 'min_hold', 1)
+  redis.call('hset', lock, 'mode', 'min_hold')
   redis.call('pexpire', lock, keep)
 else
   redis.call('del', lock)

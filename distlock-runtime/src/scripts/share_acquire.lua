@@ -1,7 +1,7 @@
 -- Take a share of a lock: a read lock (many readers) or a semaphore permit (at most N).
 --
--- KEYS[1]  the lock: a hash {"mode" -> "read" | "permits", owner token -> hold count,
---          "h:<hold id>" -> 1 for nested holds}
+-- KEYS[1]  the lock: a hash {"mode" -> "read" | "permits", "permits" -> N (semaphores),
+--          owner token -> hold count, "h:<hold id>" -> 1 for nested holds}
 -- KEYS[2]  this share's lease key (same hash tag, named <lock>:s:<token>); its value is the
 --          share's fencing token
 -- KEYS[3]  the lock's write intent (same hash tag): set while a writer waits
@@ -12,7 +12,9 @@
 -- ARGV[4]  "read", or the number of permits of a semaphore
 -- ARGV[5]  "1" to draw a fencing token
 --
--- Returns {1, fence} when the share is held, {0, pttl} when it is not available.
+-- Returns {1, fence} when the share is held, {0, pttl} when it is not available (held by
+-- another kind, the min_hold marker, a waiting writer, or N permit holders), and {-1, N}
+-- when the semaphore is in use with N permits and ARGV[4] asks for another number.
 -- A share's lease is its own key: a reader or permit holder that dies frees its share when
 -- its own lease ends, whatever the other holders' leases. Shares whose lease key is gone are
 -- pruned here before counting.
@@ -22,9 +24,12 @@ local token, lease, hold = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local mode = ARGV[4] == 'read' and 'read' or 'permits'
 local limit = tonumber(ARGV[4]) or 0
 
-local current = redis.call('hget', lock, 'mode')
-if current and current ~= mode then
-  return {0, redis.call('pttl', lock)}
+local current = kind_of(lock)
+if current ~= nil and current ~= mode then
+  if not free_of_dead_shares(lock, current) then
+    return {0, redis.call('pttl', lock)}
+  end
+  current = nil
 end
 
 local function lengthen(key)
@@ -34,9 +39,12 @@ local function lengthen(key)
 end
 
 -- A resent request, or a nested hold of a share this owner already has.
-if redis.call('hexists', lock, token) == 1 and redis.call('exists', share) == 1 then
+if current and redis.call('hexists', lock, token) == 1 and redis.call('exists', share) == 1 then
   if hold ~= token and redis.call('hsetnx', lock, 'h:' .. hold, 1) == 1 then
-    redis.call('hincrby', lock, token, 1)
+    -- Nesting starts: from now on every hold has a marker, the first one included.
+    if redis.call('hincrby', lock, token, 1) == 2 then
+      redis.call('hset', lock, 'h:' .. token, 1)
+    end
   end
   lengthen(share)
   lengthen(lock)
@@ -48,18 +56,16 @@ if mode == 'read' and redis.call('exists', intent) == 1 then
   return {0, redis.call('pttl', intent)}
 end
 
-if mode == 'permits' and current then
-  local held = 0
-  for _, field in ipairs(redis.call('hkeys', lock)) do
-    if field ~= 'mode' and string.sub(field, 1, 2) ~= 'h:' then
-      if redis.call('exists', lock .. ':s:' .. field) == 1 then
-        held = held + 1
-      else
-        redis.call('hdel', lock, field)
-      end
-    end
-  end
-  if held >= limit then
+if current == 'permits' then
+  local held = live_shares(lock)
+  local stored = tonumber(redis.call('hget', lock, 'permits') or limit)
+  if held == 0 then
+    -- Every holder is gone: the key is free, for any number of permits.
+    redis.call('del', lock)
+    current = nil
+  elseif stored ~= limit then
+    return {-1, stored}
+  elseif held >= limit then
     return {0, redis.call('pttl', lock)}
   end
 end
@@ -68,7 +74,13 @@ local fence = 0
 if ARGV[5] == '1' then
   fence = redis.call('incr', KEYS[4])
 end
-redis.call('hset', lock, 'mode', mode, token, 1)
+if current then
+  redis.call('hset', lock, token, 1)
+elseif mode == 'permits' then
+  redis.call('hset', lock, 'mode', mode, 'permits', limit, token, 1)
+else
+  redis.call('hset', lock, 'mode', mode, token, 1)
+end
 redis.call('set', share, fence, 'PX', lease)
 lengthen(lock)
 return {1, fence}

@@ -7,13 +7,23 @@
 -- ARGV[2]  hold id
 --
 -- Returns 1 when the hold was given back, 0 when the caller did not hold the share (its
--- lease ended: the share was already returned). Idempotent per hold id.
+-- lease ended: the share was already returned). Idempotent per hold id. Only a read or
+-- permits lock that has this token's field is touched: a lock of another kind, or the
+-- min_hold marker, is left alone.
 
 local lock, share, token, hold = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
 
-local count = tonumber(redis.call('hget', lock, token) or '0')
-if count == 0 or redis.call('exists', share) == 0 then
-  redis.call('hdel', lock, token)
+local fields = redis.pcall('hmget', lock, 'mode', token)
+if fields['err'] or (fields[1] ~= 'read' and fields[1] ~= 'permits') then
+  return 0
+end
+local count = tonumber(fields[2] or '0')
+if count == 0 then
+  return 0
+end
+if redis.call('exists', share) == 0 then
+  -- This share's lease ended: its field goes, as any dead share's would.
+  redis.call('hdel', lock, token, 'h:' .. token)
   return 0
 end
 
@@ -26,21 +36,12 @@ if count > 1 or hold ~= token then
   end
 end
 
-redis.call('hdel', lock, token)
+-- The last hold: the first hold's marker (if holds ever nested) goes with the count.
+redis.call('hdel', lock, token, 'h:' .. token)
 redis.call('del', share)
 
 -- The lock goes when its last live share does.
-local live = 0
-for _, field in ipairs(redis.call('hkeys', lock)) do
-  if field ~= 'mode' and string.sub(field, 1, 2) ~= 'h:' then
-    if redis.call('exists', lock .. ':s:' .. field) == 1 then
-      live = live + 1
-    else
-      redis.call('hdel', lock, field)
-    end
-  end
-end
-if live == 0 then
+if live_shares(lock) == 0 then
   redis.call('del', lock)
 end
 redis.call('publish', KEYS[3], '')

@@ -11,7 +11,8 @@
 -- ARGV[6]  how long (ms) a refused writer's intent keeps new readers out ("0": no intent,
 --          for a writer that will not try again)
 --
--- Returns {1, fence} when held, {0, pttl} when not. While refused, the writer leaves an
+-- Returns {1, fence} when held, {0, pttl} when not (another writer or exclusive holder,
+-- live readers or permits, the min_hold marker). While refused, the writer leaves an
 -- intent that makes new readers wait, so a steady stream of readers cannot starve it.
 
 local lock, fence_key, intent = KEYS[1], KEYS[2], KEYS[3]
@@ -25,23 +26,19 @@ local function refused()
   return {0, redis.call('pttl', lock)}
 end
 
-local mode = redis.call('hget', lock, 'mode')
-if mode == 'read' or mode == 'permits' then
-  if mode == 'permits' then
+local kind = kind_of(lock)
+if kind == 'read' or kind == 'permits' then
+  if not free_of_dead_shares(lock, kind) then
+    -- Readers inside: keep new ones out until they leave. Permits take no intent.
+    if kind == 'read' then
+      return refused()
+    end
     return {0, redis.call('pttl', lock)}
   end
-  for _, field in ipairs(redis.call('hkeys', lock)) do
-    if field ~= 'mode' and string.sub(field, 1, 2) ~= 'h:' then
-      if redis.call('exists', lock .. ':s:' .. field) == 1 then
-        return refused()
-      end
-    end
-  end
-  -- Every reader's lease has ended.
-  redis.call('del', lock)
+  kind = nil
 end
 
-if redis.call('exists', lock) == 0 then
+if kind == nil then
   local fence = 0
   if ARGV[3] == '1' then
     fence = redis.call('incr', fence_key)
@@ -63,6 +60,12 @@ local function held()
   return {1, tonumber(redis.call('hget', lock, 'fence') or '0')}
 end
 
+-- Only this owner's own write or exclusive lock is re-entered; any other kind, the
+-- min_hold marker or a key of another form waits.
+if kind ~= 'exclusive' and kind ~= 'write' then
+  return refused()
+end
+
 if hold == token then
   if redis.call('hexists', lock, token) == 1 then
     return held()
@@ -70,8 +73,10 @@ if hold == token then
 elseif redis.call('hexists', lock, 'h:' .. hold) == 1 then
   return held()
 elseif ARGV[5] == '1' and redis.call('hexists', lock, token) == 1 then
-  redis.call('hincrby', lock, token, 1)
-  redis.call('hset', lock, 'h:' .. hold, 1, 'h:' .. token, 1)
+  if redis.call('hincrby', lock, token, 1) == 2 then
+    redis.call('hset', lock, 'h:' .. token, 1)
+  end
+  redis.call('hset', lock, 'h:' .. hold, 1)
   return held()
 end
 
