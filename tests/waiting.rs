@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use distlock::LockError;
-use distlock::testing::RedisServer;
+use distlock::testing::{Fault, FaultProxy, RedisServer};
+use distlock::{LockError, LockManager, distributed_lock};
 use support::{keys, manager, raw, shared_server, unique_prefix};
 
 /// Far longer than any test: a waiter that sleeps this long was not woken.
@@ -220,4 +220,155 @@ async fn exclusion_holds_on_the_wake_up_path() {
         .await
         .unwrap();
     assert!(left.is_empty(), "{left:?}");
+}
+
+/// A manager that reaches `server` through a fault proxy, with the test timeouts.
+async fn behind(proxy: &FaultProxy, prefix: &str) -> LockManager {
+    LockManager::builder()
+        .redis_url(proxy.url())
+        .key_prefix(prefix)
+        .response_timeout(Duration::from_millis(500))
+        .connect_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .unwrap()
+}
+
+/// Generous: a request bounded by a second or two that has not ended by then is stuck.
+const STUCK: Duration = Duration::from_secs(30);
+
+#[tokio::test]
+async fn a_stuck_pubsub_connection_stalls_no_waiter() {
+    let server = shared_server();
+    let proxy = FaultProxy::start(server.port()).unwrap();
+    let prefix = unique_prefix("stuck");
+    let holder = manager(&server, &prefix).await;
+    let locks = behind(&proxy, &prefix).await;
+    let held_a = holder.lock("a").ttl(NEVER).acquire().await.unwrap();
+    let held_b = holder.lock("b").ttl(NEVER).acquire().await.unwrap();
+
+    // A waiter on `a` opens the pub/sub connection, which then stops answering.
+    let first = {
+        let locks = locks.clone();
+        tokio::spawn(async move { locks.lock("a").wait(STUCK).acquire().await })
+    };
+    subscribed(&server, &format!("{prefix}{{a}}:wake")).await;
+    proxy.set(Fault::Blackhole);
+
+    // A waiter on `b` needs that connection to subscribe: it still ends within its bound,
+    // and says why it could not take the lock.
+    let outcome = tokio::time::timeout(
+        STUCK,
+        locks
+            .lock("b")
+            .wait(Duration::from_secs(1))
+            .retry_delay(Duration::from_millis(20))
+            .acquire(),
+    )
+    .await
+    .expect("the request ended within its wait");
+    assert!(
+        matches!(outcome, Err(LockError::Redis { .. })),
+        "{outcome:?}"
+    );
+
+    // Once the fault heals, the first waiter gets the lock, by a new subscription or its
+    // fallback timer.
+    proxy.set(Fault::Pass);
+    held_a.release().await.unwrap();
+    let guard = tokio::time::timeout(STUCK, first)
+        .await
+        .expect("the first waiter got the lock")
+        .unwrap()
+        .unwrap();
+    guard.release().await.unwrap();
+    held_b.release().await.unwrap();
+    assert_eq!(locks.stats().waiting_keys, 0);
+    assert!(
+        no_channels_left(&server, &prefix).await,
+        "still subscribed: {:?}",
+        channels(&server, &prefix)
+    );
+    assert!(keys(&server, &prefix).is_empty());
+}
+
+#[derive(Debug)]
+enum AppError {
+    Lock(LockError),
+}
+
+impl From<LockError> for AppError {
+    fn from(error: LockError) -> Self {
+        Self::Lock(error)
+    }
+}
+
+#[distributed_lock(key = "k", on_busy = "skip", wait = "1500ms", manager = locks)]
+async fn scheduled_job(locks: &LockManager) -> Result<bool, AppError> {
+    let _ = locks;
+    Ok(true)
+}
+
+/// Polls `future` once: enough for a request to join the queue of its key.
+async fn poll_once<F: Future + Unpin>(future: &mut F)
+where
+    F::Output: std::fmt::Debug,
+{
+    tokio::select! {
+        biased;
+        done = future => panic!("ended before the fault: {done:?}"),
+        () = std::future::ready(()) => {}
+    }
+}
+
+#[tokio::test]
+async fn waiters_queued_through_an_outage_report_it_instead_of_busy() {
+    let server = shared_server();
+    let proxy = FaultProxy::start(server.port()).unwrap();
+    let prefix = unique_prefix("outage");
+    let holder = manager(&server, &prefix).await;
+    let locks = behind(&proxy, &prefix).await;
+    let held = holder.lock("k").ttl(NEVER).acquire().await.unwrap();
+
+    // The head of the queue keeps trying; two more wait behind it.
+    let head = {
+        let locks = locks.clone();
+        tokio::spawn(async move {
+            locks
+                .lock("k")
+                .wait(STUCK)
+                .retry_delay(Duration::from_millis(20))
+                .acquire()
+                .await
+        })
+    };
+    subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    let mut by_hand = Box::pin(locks.lock("k").wait(Duration::from_millis(1500)).acquire());
+    let mut job = Box::pin(scheduled_job(&locks));
+    poll_once(&mut by_hand).await;
+    poll_once(&mut job).await;
+    proxy.set(Fault::Blackhole);
+
+    let by_hand = tokio::time::timeout(STUCK, by_hand).await.expect("ended");
+    assert!(
+        matches!(by_hand, Err(LockError::Redis { .. })),
+        "{by_hand:?}"
+    );
+    let job = tokio::time::timeout(STUCK, job).await.expect("ended");
+    assert!(
+        matches!(job, Err(AppError::Lock(LockError::Redis { .. }))),
+        "not skipped during an outage: {job:?}"
+    );
+
+    proxy.set(Fault::Pass);
+    held.release().await.unwrap();
+    let guard = tokio::time::timeout(STUCK, head)
+        .await
+        .expect("the head got the lock")
+        .unwrap()
+        .unwrap();
+    guard.release().await.unwrap();
+    assert_eq!(locks.stats().waiting_keys, 0);
+    assert!(no_channels_left(&server, &prefix).await);
+    assert!(keys(&server, &prefix).is_empty());
 }

@@ -161,7 +161,9 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
         #vis #sig {
             #(#inner)*
             #get_manager
-            let #guard = match #manager.#request(#key #permits).template(#template_text) #options .acquire().await {
+            let #guard = match ::distlock::__private::acquire(
+                #manager.#request(#key #permits).template(#template_text) #options
+            ).await {
                 ::core::result::Result::Ok(#guard) => #guard,
                 #on_error
             };

@@ -5,11 +5,18 @@ pub use std::format;
 
 use std::future::Future;
 
-use crate::{LockError, LockGuard, LockManager};
+use crate::{LockError, LockGuard, LockManager, LockRequest};
 
 /// The installed manager, or the error that says how to install one.
 pub fn installed() -> Result<&'static LockManager, LockError> {
     LockManager::installed().ok_or(LockError::NotInstalled)
+}
+
+/// Takes the lock of an annotated call. The hold is not recorded where the call is made:
+/// [`run`] records it in the frame it opens for the body, so that concurrent siblings of the
+/// call never see it.
+pub async fn acquire(request: LockRequest<'_>) -> Result<LockGuard, LockError> {
+    request.unrecorded().acquire().await
 }
 
 /// What `manager = …` accepts: a `LockManager`, a reference to one, or an `Arc` of one.
@@ -89,8 +96,8 @@ pub enum OnLost {
     Continue,
 }
 
-/// Runs the body in an acquisition context that holds `guard`, watching the lease as
-/// `on_lost` says.
+/// Runs the body in a frame of its own that holds `guard` (and what the caller holds),
+/// watching the lease as `on_lost` says.
 pub async fn run<F: Future>(
     guard: &LockGuard,
     on_lost: OnLost,

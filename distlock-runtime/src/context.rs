@@ -1,21 +1,29 @@
-//! Which locks the current task holds: reentrancy and self-deadlock detection without
+//! Which locks the current code holds: reentrancy and self-deadlock detection without
 //! thread identity.
 //!
-//! Ownership belongs to an acquisition context, a task-local list of the locks held by the
-//! code running in it. `#[distributed_lock]` opens one around its body when none is open, so
-//! nested annotated calls in the same task see the outer locks, while a spawned task (which
-//! does not inherit task-locals) starts empty and is a different owner.
+//! Ownership belongs to an acquisition context: a chain of frames kept in a task-local. Every
+//! `#[distributed_lock]` call and every [`scope`] opens a frame of its own for the future it
+//! wraps; the frame starts with the holds visible where it was opened (copied on entry), and
+//! a hold is recorded in the frame of the code that took it. A hold is therefore visible to
+//! everything that runs inside it, and never to concurrent siblings of the same task
+//! (branches of `join!`, `select!`, `FuturesUnordered`) that each run in a frame of their own:
+//! those are separate owners and exclude each other. A spawned task (which does not inherit
+//! task-locals) starts empty.
+//!
+//! Locks taken by hand are recorded in the current frame, so code that locks by hand in
+//! several concurrent branches of one frame cannot be told apart from nested code: wrap each
+//! such branch in its own [`scope`].
 
 use std::cell::RefCell;
 use std::future::Future;
 use std::sync::{Arc, Weak};
 
 tokio::task_local! {
-    static HELD: RefCell<Vec<Weak<Held>>>;
+    static FRAME: RefCell<Vec<Weak<Held>>>;
 }
 
-/// One lock held in a context. Owned by its guard; the context only points at it, so a
-/// released or dropped guard disappears from the context by itself.
+/// One lock held in a context. Owned by its guard; frames only point at it, so a released or
+/// dropped guard disappears from every frame by itself.
 #[derive(Debug)]
 pub(crate) struct Held {
     /// Which manager (its shared state's address): the same key on two managers is two locks.
@@ -37,44 +45,53 @@ pub(crate) enum Kind {
     Permit,
 }
 
-/// The lock `lock` of `manager` held in the current context, if any.
+/// The lock `lock` of `manager` visible in the current frame, if any.
 pub(crate) fn find(manager: usize, lock: &str) -> Option<Arc<Held>> {
-    HELD.try_with(|held| {
-        held.borrow()
-            .iter()
-            .filter_map(Weak::upgrade)
-            .find(|h| h.manager == manager && h.lock == lock)
-    })
-    .ok()
-    .flatten()
+    FRAME
+        .try_with(|held| {
+            held.borrow()
+                .iter()
+                .filter_map(Weak::upgrade)
+                .find(|h| h.manager == manager && h.lock == lock)
+        })
+        .ok()
+        .flatten()
 }
 
-/// Records `held` in the current context, if there is one.
+/// Records `held` in the current frame, if there is one.
 pub(crate) fn record(held: &Arc<Held>) {
-    let _ = HELD.try_with(|list| {
+    let _ = FRAME.try_with(|list| {
         let mut list = list.borrow_mut();
         list.retain(|h| h.strong_count() > 0);
         list.push(Arc::downgrade(held));
     });
 }
 
-/// Runs `body` in an acquisition context that holds `held`: the current one if the task is
-/// in one (where acquiring already recorded it), a new one otherwise.
+/// Runs `body` in a frame of its own that starts with the holds visible here, plus `held`.
 pub(crate) async fn run_holding<F: Future>(held: Option<&Arc<Held>>, body: F) -> F::Output {
-    if HELD.try_with(|_| ()).is_ok() {
-        body.await
-    } else {
-        let list = held.map(Arc::downgrade).into_iter().collect();
-        HELD.scope(RefCell::new(list), body).await
-    }
+    let mut list = FRAME
+        .try_with(|list| {
+            list.borrow()
+                .iter()
+                .filter(|h| h.strong_count() > 0)
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_else(|_| Vec::new());
+    list.extend(held.map(Arc::downgrade));
+    FRAME.scope(RefCell::new(list), body).await
 }
 
-/// Runs `body` in an acquisition context, so that locks taken by hand inside it can be
-/// re-entered (with `reentrant`) and re-acquiring a held non-reentrant key fails at once with
-/// [`LockError::WouldDeadlock`](crate::LockError::WouldDeadlock) instead of waiting for itself.
+/// Runs `body` as an owner of its own within the current acquisition context: it sees the
+/// locks held where it is called, and the locks it takes by hand are visible to the code that
+/// runs inside it (re-entered with `reentrant`; re-acquired without it, they fail at once with
+/// [`LockError::WouldDeadlock`](crate::LockError::WouldDeadlock) instead of waiting for
+/// themselves), but not to the code around it.
 ///
-/// `#[distributed_lock]` bodies already run in one. Contexts do not cross `tokio::spawn`:
-/// a spawned task is a different owner.
+/// `#[distributed_lock]` bodies already run in one. Concurrent branches of one task that take
+/// locks by hand (`join!`, `select!`, `FuturesUnordered`) must each run in a scope of their
+/// own to exclude each other: branches of one scope share its holds, as nested code does.
+/// Contexts do not cross `tokio::spawn`: a spawned task is a different owner.
 pub async fn scope<F: Future>(body: F) -> F::Output {
     run_holding(None, body).await
 }

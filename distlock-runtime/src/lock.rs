@@ -37,6 +37,9 @@ pub struct LockRequest<'m> {
     max_hold: Option<Duration>,
     reentrant: bool,
     min_hold: Option<Duration>,
+    /// Whether the hold is recorded in the current frame; an annotated call records it in the
+    /// frame it opens for its body instead.
+    record: bool,
 }
 
 impl fmt::Debug for LockRequest<'_> {
@@ -99,7 +102,15 @@ impl<'m> LockRequest<'m> {
             max_hold: None,
             reentrant: false,
             min_hold: None,
+            record: true,
         }
+    }
+
+    /// Leaves the hold out of the current frame: the caller runs the code it protects in a
+    /// frame of its own that holds it.
+    pub(crate) fn unrecorded(mut self) -> Self {
+        self.record = false;
+        self
     }
 
     /// The lease: how long the lock stays held if its holder stops renewing or releasing it.
@@ -152,8 +163,8 @@ impl<'m> LockRequest<'m> {
         self
     }
 
-    /// Allow a nested acquisition of the same key in the same acquisition context (see
-    /// [`scope`](crate::scope)) to succeed: it shares the outer hold's owner token and adds one
+    /// Allow a nested acquisition of the same key, by code running inside this hold (see
+    /// [`scope`](crate::scope)), to succeed: it shares the outer hold's owner token and adds one
     /// to the hold count in Redis; the lock is free once every hold is released. Both the
     /// outer and the nested request must be reentrant. Without it, a nested acquisition fails
     /// at once with [`LockError::WouldDeadlock`].
@@ -193,7 +204,9 @@ impl<'m> LockRequest<'m> {
         let plan = self.plan()?;
         let span =
             tracing::debug_span!("lock.acquire", template = plan.template, key = %plan.keys.name);
-        acquire(self.manager, plan).instrument(span).await
+        acquire(self.manager, plan, self.record)
+            .instrument(span)
+            .await
     }
 
     /// Makes exactly one attempt: `Ok(None)` when another owner holds the lock (of any kind).
@@ -280,7 +293,7 @@ impl<'m> LockRequest<'m> {
     }
 }
 
-async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockError> {
+async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<LockGuard, LockError> {
     let inner = &manager.inner;
     let manager_id = Arc::as_ptr(inner) as usize;
     let outer = context::find(manager_id, &plan.keys.lock);
@@ -360,24 +373,40 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
             waited: started.elapsed(),
         },
     };
-    // A request that may wait queues behind local waiters instead of overtaking them.
-    let mut ticket = (plan.retries > 0 && inner.waiters.has_waiters(&request.wake)).then(|| {
+    // The last word from Redis on this lock: a failure, or none after a busy answer. Once in
+    // the queue, the word of whichever local waiter asked last (see `Ticket::heard`).
+    let last_word = |ticket: &Option<Ticket>, own: &Option<redis::RedisError>| match ticket {
+        Some(ticket) => ticket.last_failure(),
+        None => own.clone(),
+    };
+    // A request that may wait queues behind local waiters instead of overtaking them. A nested
+    // hold of this task's own lock never queues: it is granted at once, and the waiters ahead
+    // of it wait for this very lock.
+    let queues = !nested && plan.retries > 0;
+    let join = || {
         inner
             .waiters
             .join(&request.wake, &inner.backend, &inner.driver)
-    });
+    };
+    let mut ticket = (queues && inner.waiters.has_waiters(&request.wake)).then(join);
+    let mut failure: Option<redis::RedisError>;
     let mut attempts = 0u32;
     loop {
         if let Some(ticket) = &ticket {
-            let head = ticket.until_head();
+            // Every step of waiting for a turn, the wake channel included, ends by the deadline.
+            let turn = async {
+                ticket.until_head().await;
+                ticket.subscribe().await;
+            };
             match deadline {
                 Some(deadline) => tokio::select! {
-                    () = head => {}
-                    _ = inner.sleep_until(deadline) => return Err(give_up(attempts, None)),
+                    () = turn => {}
+                    _ = inner.sleep_until(deadline) => {
+                        return Err(give_up(attempts, ticket.last_failure()));
+                    }
                 },
-                None => head.await,
+                None => turn.await,
             }
-            ticket.subscribe().await;
         }
         let seen = ticket.as_ref().map(Ticket::wakes);
         attempts += 1;
@@ -387,7 +416,7 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
         let outcome = inner
             .exec(move |backend| async move { backend.acquire(&attempt).await })
             .await?;
-        let (holder_ttl, failure) = match outcome {
+        let holder_ttl = match outcome {
             Ok(Attempt::Held { fence }) => {
                 in_flight.maybe_held = false;
                 drop(in_flight);
@@ -397,11 +426,15 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
                     sent,
                 };
                 tracing::debug!(attempts, waited = ?acquired.waited, "acquired");
-                return Ok(grant(manager, plan, request, kind, fence, acquired, nested));
+                let recorded = record && !nested;
+                return Ok(grant(
+                    manager, plan, request, kind, fence, acquired, recorded,
+                ));
             }
             Ok(Attempt::Busy { holder_ttl }) => {
                 in_flight.maybe_held = false;
-                (holder_ttl, None)
+                failure = None;
+                holder_ttl
             }
             // Waiting cannot help: the other users of the key must agree on the count first.
             Ok(Attempt::PermitsMismatch { stored }) => {
@@ -428,34 +461,46 @@ async fn acquire(manager: &LockManager, plan: Plan) -> Result<LockGuard, LockErr
             // which the script recognises; `in_flight` releases it if none follows.
             Err(error) if is_transient(&error) => {
                 tracing::debug!(attempts, %error, "acquire attempt failed");
-                (None, Some(error))
+                failure = Some(error);
+                None
             }
             Err(error) => return Err(LockError::redis(&plan.keys.name, error)),
         };
+        if let Some(ticket) = &ticket {
+            ticket.heard(failure.clone());
+        }
         let now = Instant::now();
         if attempts > plan.retries || deadline.is_some_and(|d| d <= now) {
             return Err(give_up(attempts, failure));
         }
-        let Some(waiting) = &ticket else {
+        if ticket.is_none() && queues {
             // First time busy: queue up and follow the wake channel, then look again at once
             // (a release between the busy answer and the subscription publishes unheard).
-            ticket = Some(
-                inner
-                    .waiters
-                    .join(&request.wake, &inner.backend, &inner.driver),
-            );
+            let joined = join();
+            joined.heard(failure.clone());
+            ticket = Some(joined);
             continue;
-        };
+        }
         // Wait for a release, or for the fallback timer (backoff with full jitter, capped by
         // the holder's lease) that catches an expiry or a missed announcement.
         let mut until = now + plan.backoff.delay(attempts, holder_ttl);
         if let Some(deadline) = deadline {
             until = until.min(deadline);
         }
-        let seen = seen.unwrap_or_default();
-        tokio::select! {
-            () = waiting.woken_since(seen) => {}
-            _ = inner.sleep_until(until) => {}
+        match &ticket {
+            Some(waiting) => {
+                let seen = seen.unwrap_or_default();
+                tokio::select! {
+                    () = waiting.woken_since(seen) => {}
+                    _ = inner.sleep_until(until) => {}
+                }
+            }
+            None => {
+                let _ = inner.sleep_until(until).await;
+            }
+        }
+        if deadline.is_some_and(|d| d <= Instant::now()) {
+            return Err(give_up(attempts, last_word(&ticket, &failure)));
         }
     }
 }
@@ -469,7 +514,7 @@ fn grant(
     kind: Kind,
     fence: u64,
     acquired: Acquired,
-    nested: bool,
+    recorded: bool,
 ) -> LockGuard {
     let inner = &manager.inner;
     let lease = Arc::new(LeaseState::new(acquired.sent, plan.ttl));
@@ -494,7 +539,7 @@ fn grant(
         reentrant: plan.reentrant,
         kind,
     });
-    if !nested {
+    if recorded {
         context::record(&held);
     }
     LockGuard::new(Parts {

@@ -468,7 +468,7 @@ impl LockManagerBuilder {
                 backend,
                 driver: Arc::new(driver),
                 watchdog: Watchdog::default(),
-                waiters: Waiters::default(),
+                waiters: Waiters::new(options.connect_timeout, options.response_timeout),
                 prefix: self.prefix,
                 defaults: self.defaults,
                 target,

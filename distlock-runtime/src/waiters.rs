@@ -12,40 +12,55 @@ use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use futures_util::Stream;
 use redis::aio::{PubSubSink, PubSubStream};
 use tokio::sync::Notify;
+use tokio::task::AbortHandle;
 
 use crate::backend::Backend;
 use crate::driver::Driver;
 
 /// The waiting side of one manager.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Waiters {
     shared: Arc<Shared>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Shared {
     keys: Mutex<HashMap<String, Arc<KeyState>>>,
-    /// The pub/sub connection (None until first needed, or after it was lost), with the
-    /// generation that counts reconnects. Held across subscribe calls, so that subscribe and
-    /// unsubscribe of one channel never overtake each other.
+    /// The pub/sub connection (None until first needed, or after it was lost or dropped).
+    /// Held across each subscribe or unsubscribe, so that those of one channel never overtake
+    /// each other; every operation under it is bounded, so nobody holds it for long.
     sink: tokio::sync::Mutex<Sink>,
+    /// Counts connections opened and given up: a key subscribed in an older one is not
+    /// subscribed any more.
     generation: AtomicU64,
+    /// The generation of the last connection whose reader saw it end.
+    closed: AtomicU64,
+    connect_timeout: Duration,
+    response_timeout: Duration,
 }
 
 #[derive(Default)]
 struct Sink {
     sink: Option<PubSubSink>,
+    /// The generation of `sink`.
+    generation: u64,
+    /// The task reading `sink`'s messages; aborting it closes the connection.
+    reader: Option<AbortHandle>,
+    /// After a failure, no connection is tried before this: waiters rely on their timers.
+    retry_at: Option<Instant>,
 }
 
 impl std::fmt::Debug for Sink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Sink")
             .field("connected", &self.sink.is_some())
-            .finish()
+            .field("generation", &self.generation)
+            .finish_non_exhaustive()
     }
 }
 
@@ -60,6 +75,8 @@ pub(crate) struct KeyState {
     wakes: AtomicU64,
     /// The pub/sub generation this key is subscribed in (0: not subscribed).
     subscribed_in: AtomicU64,
+    /// The last word from Redis to a local waiter: the failure, or none after a busy answer.
+    last_failure: Mutex<Option<redis::RedisError>>,
 }
 
 #[derive(Debug, Default)]
@@ -78,6 +95,20 @@ pub(crate) struct Ticket {
 }
 
 impl Waiters {
+    /// No waiters yet; pub/sub operations are bounded by the manager's timeouts.
+    pub(crate) fn new(connect_timeout: Duration, response_timeout: Duration) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                keys: Mutex::default(),
+                sink: tokio::sync::Mutex::default(),
+                generation: AtomicU64::new(0),
+                closed: AtomicU64::new(0),
+                connect_timeout,
+                response_timeout,
+            }),
+        }
+    }
+
     /// Whether any local request is waiting for the lock behind `channel`.
     pub(crate) fn has_waiters(&self, channel: &str) -> bool {
         self.shared.lock_keys().contains_key(channel)
@@ -102,6 +133,7 @@ impl Waiters {
                     wake: Notify::new(),
                     wakes: AtomicU64::new(0),
                     subscribed_in: AtomicU64::new(0),
+                    last_failure: Mutex::default(),
                 })
             })
             .clone();
@@ -142,13 +174,124 @@ impl Shared {
         }
     }
 
-    /// The pub/sub connection is gone: wake everyone (they re-check and resubscribe).
-    fn lost_connection(&self) {
+    /// The connection of `generation` is gone: its keys are not subscribed any more, and
+    /// everyone is woken to look again (and to subscribe on a new connection).
+    fn lost_connection(&self, generation: u64) {
         let keys: Vec<_> = self.lock_keys().values().cloned().collect();
         for key in keys {
-            key.subscribed_in.store(0, Ordering::Release);
+            let _ = key.subscribed_in.compare_exchange(
+                generation,
+                0,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
             key.woken();
         }
+    }
+
+    /// Gives up the current connection: closes it (its reader ends, which drops the socket)
+    /// and tries no new one for a while.
+    fn drop_connection(&self, sink: &mut Sink) {
+        sink.sink = None;
+        if let Some(reader) = sink.reader.take() {
+            reader.abort();
+        }
+        sink.retry_at = Some(Instant::now() + self.connect_timeout);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        self.lost_connection(sink.generation);
+    }
+
+    /// Makes sure `key`'s channel is followed. Runs on the manager's runtime, where the
+    /// connection and its reader live, and always to its end, so that whether the channel is
+    /// subscribed is never left unknown. Every step is bounded; a failure leaves the waiters
+    /// to their timers.
+    async fn follow(self: Arc<Self>, key: Arc<KeyState>, backend: Backend) {
+        // The holder of the sink finishes within this (a connect, or a subscribe and an
+        // unsubscribe): waiting longer means something is stuck.
+        let patience = self.connect_timeout + self.response_timeout * 2;
+        let Ok(mut sink) = tokio::time::timeout(patience, self.sink.lock()).await else {
+            tracing::debug!("pub/sub connection busy; waiting on timers");
+            return;
+        };
+        if sink.sink.is_some() && self.closed.load(Ordering::Acquire) == sink.generation {
+            self.drop_connection(&mut sink);
+            sink.retry_at = None;
+        }
+        if sink.sink.is_none() {
+            if sink.retry_at.is_some_and(|at| Instant::now() < at) {
+                return;
+            }
+            // Bounded by the connect timeout.
+            match backend.pubsub().await {
+                Ok(pubsub) => {
+                    let (new, stream) = pubsub.split();
+                    let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
+                    let reader = tokio::spawn(read(Arc::downgrade(&self), stream, generation));
+                    *sink = Sink {
+                        sink: Some(new),
+                        generation,
+                        reader: Some(reader.abort_handle()),
+                        retry_at: None,
+                    };
+                }
+                Err(error) => {
+                    tracing::debug!(%error, "no pub/sub connection; waiting on timers");
+                    sink.retry_at = Some(Instant::now() + self.connect_timeout);
+                    return;
+                }
+            }
+        }
+        let generation = sink.generation;
+        if key.subscribed_in.load(Ordering::Acquire) == generation || !self.is_waited(&key) {
+            return;
+        }
+        let Some(connection) = sink.sink.as_mut() else {
+            return;
+        };
+        match tokio::time::timeout(self.response_timeout, connection.subscribe(&key.channel)).await
+        {
+            Ok(Ok(())) => key.subscribed_in.store(generation, Ordering::Release),
+            Ok(Err(error)) => {
+                tracing::debug!(%error, "subscribe failed; waiting on timers");
+                self.drop_connection(&mut sink);
+                return;
+            }
+            Err(_) => {
+                tracing::debug!("no answer to subscribe; waiting on timers");
+                self.drop_connection(&mut sink);
+                return;
+            }
+        }
+        // The last waiter left while this subscribed, and found nothing to unsubscribe.
+        if !self.lock_keys().contains_key(&key.channel) {
+            self.unsubscribe(&mut sink, &key.channel).await;
+        }
+    }
+
+    /// Whether `key` is still the waiting state of its channel.
+    fn is_waited(&self, key: &Arc<KeyState>) -> bool {
+        self.lock_keys()
+            .get(&key.channel)
+            .is_some_and(|k| Arc::ptr_eq(k, key))
+    }
+
+    /// Stops following `channel`, within the response timeout or by dropping the connection.
+    async fn unsubscribe(&self, sink: &mut Sink, channel: &str) {
+        let Some(connection) = sink.sink.as_mut() else {
+            return;
+        };
+        let error = match tokio::time::timeout(
+            self.response_timeout,
+            connection.unsubscribe(channel),
+        )
+        .await
+        {
+            Ok(Ok(())) => return,
+            Ok(Err(error)) => error.to_string(),
+            Err(_) => "no answer".to_owned(),
+        };
+        tracing::debug!(%error, "unsubscribe failed; dropping the pub/sub connection");
+        self.drop_connection(sink);
     }
 }
 
@@ -160,6 +303,10 @@ impl KeyState {
     fn woken(&self) {
         self.wakes.fetch_add(1, Ordering::AcqRel);
         self.wake.notify_one();
+    }
+
+    fn lock_last_failure(&self) -> std::sync::MutexGuard<'_, Option<redis::RedisError>> {
+        self.last_failure.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -191,40 +338,34 @@ impl Ticket {
         }
     }
 
-    /// Makes sure the manager follows this key's wake channel. Errors are not fatal: the
-    /// waiter then relies on its timed fallback.
+    /// Records what Redis last answered a local waiter of this key: `failure`, or none after a
+    /// busy answer.
+    pub(crate) fn heard(&self, failure: Option<redis::RedisError>) {
+        *self.key.lock_last_failure() = failure;
+    }
+
+    /// The failure Redis last answered a local waiter of this key with, unless a busy answer
+    /// came after it.
+    pub(crate) fn last_failure(&self) -> Option<redis::RedisError> {
+        self.key.lock_last_failure().clone()
+    }
+
+    /// Makes sure the manager follows this key's wake channel, within the manager's connect
+    /// and response timeouts. Errors are not fatal: the waiter then relies on its timed
+    /// fallback.
     pub(crate) async fn subscribe(&self) {
         let Some(shared) = self.shared.upgrade() else {
-            return;
-        };
-        let Some((backend, driver)) = &self.driver_backend else {
             return;
         };
         let generation = shared.generation.load(Ordering::Acquire);
         if generation != 0 && self.key.subscribed_in.load(Ordering::Acquire) == generation {
             return;
         }
-        let mut sink = shared.sink.lock().await;
-        if sink.sink.is_none() {
-            match connect(&shared, backend, driver).await {
-                Some(new) => sink.sink = Some(new),
-                None => return,
-            }
-        }
-        let generation = shared.generation.load(Ordering::Acquire);
-        if self.key.subscribed_in.load(Ordering::Acquire) == generation {
-            return;
-        }
-        let Some(connection) = sink.sink.as_mut() else {
+        let Some((backend, driver)) = &self.driver_backend else {
             return;
         };
-        match connection.subscribe(&self.key.channel).await {
-            Ok(()) => self.key.subscribed_in.store(generation, Ordering::Release),
-            Err(error) => {
-                tracing::debug!(%error, "subscribe failed; waiting on timers");
-                sink.sink = None;
-            }
-        }
+        let follow = shared.follow(self.key.clone(), backend.clone());
+        let _ = driver.run(follow).await;
     }
 }
 
@@ -260,7 +401,9 @@ impl Drop for Ticket {
                 return;
             }
         }
-        if self.key.subscribed_in.load(Ordering::Acquire) == 0 {
+        // A subscribe still in flight sees the key gone and unsubscribes by itself.
+        let subscribed_in = self.key.subscribed_in.load(Ordering::Acquire);
+        if subscribed_in == 0 {
             return;
         }
         let Some((_, driver)) = self.driver_backend.take() else {
@@ -268,44 +411,20 @@ impl Drop for Ticket {
         };
         let channel = self.key.channel.clone();
         driver.spawn(async move {
+            // Every holder of the sink lets go within its bounds.
             let mut sink = shared.sink.lock().await;
             // Re-joined while this waited for the sink: the new waiters keep the subscription.
-            if shared.lock_keys().contains_key(&channel) {
+            // On another connection than the one subscribed: nothing to undo.
+            if shared.lock_keys().contains_key(&channel) || sink.generation != subscribed_in {
                 return;
             }
-            if let Some(connection) = sink.sink.as_mut()
-                && let Err(error) = connection.unsubscribe(&channel).await
-            {
-                tracing::debug!(%error, "unsubscribe failed");
-                sink.sink = None;
-            }
+            shared.unsubscribe(&mut sink, &channel).await;
         });
     }
 }
 
-/// Opens the pub/sub connection on the manager's runtime and starts its reader there.
-async fn connect(
-    shared: &Arc<Shared>,
-    backend: &Backend,
-    driver: &Arc<Driver>,
-) -> Option<PubSubSink> {
-    let backend = backend.clone();
-    let pubsub = match driver.run(async move { backend.pubsub().await }).await {
-        Ok(Ok(pubsub)) => pubsub,
-        Ok(Err(error)) => {
-            tracing::debug!(%error, "no pub/sub connection; waiting on timers");
-            return None;
-        }
-        Err(_) => return None,
-    };
-    let (sink, stream) = pubsub.split();
-    shared.generation.fetch_add(1, Ordering::AcqRel);
-    driver.spawn(read(Arc::downgrade(shared), stream));
-    Some(sink)
-}
-
 /// Routes every message to its key's waiters, until the connection ends.
-async fn read(shared: Weak<Shared>, mut stream: PubSubStream) {
+async fn read(shared: Weak<Shared>, mut stream: PubSubStream, generation: u64) {
     while let Some(message) = std::future::poll_fn(|cx| Pin::new(&mut stream).poll_next(cx)).await {
         let Some(shared) = shared.upgrade() else {
             return;
@@ -314,9 +433,7 @@ async fn read(shared: Weak<Shared>, mut stream: PubSubStream) {
     }
     if let Some(shared) = shared.upgrade() {
         tracing::debug!("pub/sub connection lost");
-        if let Ok(mut sink) = shared.sink.try_lock() {
-            sink.sink = None;
-        }
-        shared.lost_connection();
+        shared.closed.store(generation, Ordering::Release);
+        shared.lost_connection(generation);
     }
 }
