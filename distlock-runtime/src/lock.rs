@@ -204,9 +204,10 @@ impl<'m> LockRequest<'m> {
         let plan = self.plan()?;
         let span =
             tracing::debug_span!("lock.acquire", template = plan.template, key = %plan.keys.name);
-        acquire(self.manager, plan, self.record)
-            .instrument(span)
-            .await
+        // Boxed: the acquire loop is a large state machine, and callers nest it in their own
+        // futures (sibling branches of `join!`, annotated calls inside annotated calls); kept
+        // inline it multiplies their size and, in debug builds, their stack use.
+        Box::pin(acquire(self.manager, plan, self.record).instrument(span)).await
     }
 
     /// Makes exactly one attempt: `Ok(None)` when another owner holds the lock (of any kind).
