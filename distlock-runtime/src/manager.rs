@@ -83,6 +83,8 @@ pub struct Stats {
     pub leases_lost: u64,
     /// Keys that have local waiters right now (each with a pub/sub subscription).
     pub waiting_keys: usize,
+    /// Leases the watchdog renews right now (0 once every watched guard is gone).
+    pub watched_leases: usize,
 }
 
 impl LockManager {
@@ -166,6 +168,7 @@ impl LockManager {
             leases_renewed: counters.renewed.load(Ordering::Relaxed),
             leases_lost: counters.lost.load(Ordering::Relaxed),
             waiting_keys: self.inner.waiters.waiting_keys(),
+            watched_leases: self.inner.watchdog.watched(),
         }
     }
 

@@ -112,6 +112,11 @@ impl Watchdog {
         &self.shared.counters
     }
 
+    /// How many leases are registered for renewal.
+    pub(crate) fn watched(&self) -> usize {
+        self.shared.lock().by_id.len()
+    }
+
     /// Starts renewing the hold `target` every ~`ttl`/3 until the registration is dropped or
     /// `max_hold` has passed since `acquired`.
     pub(crate) fn register(
