@@ -34,6 +34,8 @@ struct Shared {
     /// unsubscribe of one channel never overtake each other.
     sink: tokio::sync::Mutex<Sink>,
     generation: AtomicU64,
+    /// Set by `close`: no pub/sub connection from then on.
+    closed: tokio::sync::watch::Sender<bool>,
 }
 
 #[derive(Default)]
@@ -117,6 +119,16 @@ impl Waiters {
             id,
             shared: Arc::downgrade(&self.shared),
             driver_backend: Some((backend.clone(), driver.clone())),
+        }
+    }
+
+    /// Closes the pub/sub connection for good (the manager shut down); waiters fall back to
+    /// their timers.
+    pub(crate) fn close(&self) -> impl Future<Output = ()> + Send + 'static {
+        let shared = self.shared.clone();
+        async move {
+            shared.closed.send_replace(true);
+            shared.sink.lock().await.sink = None;
         }
     }
 
@@ -289,6 +301,9 @@ async fn connect(
     backend: &Backend,
     driver: &Arc<Driver>,
 ) -> Option<PubSubSink> {
+    if *shared.closed.borrow() {
+        return None;
+    }
     let backend = backend.clone();
     let pubsub = match driver.run(async move { backend.pubsub().await }).await {
         Ok(Ok(pubsub)) => pubsub,
@@ -306,7 +321,19 @@ async fn connect(
 
 /// Routes every message to its key's waiters, until the connection ends.
 async fn read(shared: Weak<Shared>, mut stream: PubSubStream) {
-    while let Some(message) = std::future::poll_fn(|cx| Pin::new(&mut stream).poll_next(cx)).await {
+    let Some(mut closed) = shared.upgrade().map(|shared| shared.closed.subscribe()) else {
+        return;
+    };
+    loop {
+        let next = std::future::poll_fn(|cx| Pin::new(&mut stream).poll_next(cx));
+        // Dropping the stream ends the connection.
+        let message = tokio::select! {
+            message = next => message,
+            _ = closed.wait_for(|closed| *closed) => None,
+        };
+        let Some(message) = message else {
+            break;
+        };
         let Some(shared) = shared.upgrade() else {
             return;
         };
