@@ -160,13 +160,11 @@ async fn an_expired_holder_never_deletes_the_next_holders_lock() {
     ));
     assert!(matches!(first.release().await, Err(LockError::Lost { .. })));
 
-    let owner: Option<String> = conn
-        .hget(locks.redis_key("k"), second.token())
-        .await
-        .unwrap();
+    // A plain lock is the owner's token under the key.
+    let owner: Option<String> = conn.get(locks.redis_key("k")).await.unwrap();
     assert_eq!(
         owner.as_deref(),
-        Some("1"),
+        Some(second.token()),
         "the second holder's lock is untouched"
     );
     assert!(second.is_held().await.unwrap());
@@ -382,4 +380,62 @@ fn a_manager_works_from_a_runtime_other_than_its_builders() {
             .unwrap();
         next.release().await.unwrap();
     });
+}
+
+/// Commands the server has run (those inside scripts included), apart from INFO and CONFIG.
+fn commands_run(server: &distlock::testing::RedisServer) -> u64 {
+    let info = server.command(&["INFO", "commandstats"]).unwrap();
+    info.lines()
+        .filter_map(|line| line.strip_prefix("cmdstat_"))
+        .filter(|line| !line.starts_with("info:") && !line.starts_with("config"))
+        .filter_map(|line| line.split_once(":calls="))
+        .map(|(_, rest)| rest.split(',').next().unwrap().parse::<u64>().unwrap())
+        .sum()
+}
+
+#[tokio::test]
+async fn a_plain_lock_costs_the_server_no_more_than_a_hand_written_one() {
+    // Its own server: the counts are server-wide.
+    let server = distlock::testing::RedisServer::start().unwrap();
+    let locks = manager(&server, "cost:").await;
+    locks
+        .lock("warm")
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let native = server
+        .command(&["COMMAND", "INFO", "DELIFEQ"])
+        .unwrap()
+        .contains("delifeq");
+
+    server.command(&["CONFIG", "RESETSTAT"]).unwrap();
+    for i in 0..10 {
+        let guard = locks.lock(format!("k{i}")).acquire().await.unwrap();
+        guard.release().await.unwrap();
+    }
+    // SET NX PX GET, then a compare-and-delete and the wake-up: DELIFEQ + PUBLISH where the
+    // server has it, else one script (GET, DEL, PUBLISH).
+    let per_pair = if native { 3 } else { 5 };
+    assert_eq!(commands_run(&server), 10 * per_pair);
+
+    // Nested holds of a lock this code owns ask nothing of Redis, released in any order.
+    distlock::scope(async {
+        let outer = locks.lock("n").reentrant(true).acquire().await.unwrap();
+        server.command(&["CONFIG", "RESETSTAT"]).unwrap();
+        let inner = locks.lock("n").reentrant(true).acquire().await.unwrap();
+        let read = locks.read_lock("n").acquire().await.unwrap();
+        outer.release().await.unwrap();
+        read.release().await.unwrap();
+        assert_eq!(commands_run(&server), 0, "nested holds are counted locally");
+        assert!(
+            inner.is_held().await.unwrap(),
+            "the last hold keeps the lock"
+        );
+        inner.release().await.unwrap();
+    })
+    .await;
+    assert!(keys(&server, "cost:").is_empty());
 }

@@ -76,6 +76,20 @@ struct Pool {
     replicated: Mutex<HashMap<runtime::Id, Vec<MultiplexedConnection>>>,
     /// Set for a Redis Cluster: connections follow the slot map (MOVED, ASK, failovers).
     cluster: Option<ClusterClient>,
+    /// The server's native compare-and-delete, as found at `build()`.
+    delete: Mutex<NativeDelete>,
+}
+
+/// A server's native compare-and-delete, if it has one; without, a small script does it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum NativeDelete {
+    /// None found (or the server would not say): the `unlock.lua` script.
+    #[default]
+    Script,
+    /// Valkey's `DELIFEQ key value`.
+    DelIfEq,
+    /// Redis 8.4's `DELEX key IFEQ value`.
+    DelEx,
 }
 
 /// A connection of one runtime: to one server, or to a whole Cluster.
@@ -156,6 +170,7 @@ impl Node {
                 sync_replicas: options.sync_replicas,
                 by_runtime: Mutex::new(HashMap::new()),
                 replicated: Mutex::new(HashMap::new()),
+                delete: Mutex::new(NativeDelete::Script),
             }),
         };
         Ok(node)
@@ -271,11 +286,36 @@ impl Node {
         for script in scripts::all() {
             bounded(limit, script.prepare_invoke().load_async(&mut conn)).await?;
         }
+        let delete = self.native_delete(&mut conn).await;
+        *self.pool.delete.lock().unwrap_or_else(|e| e.into_inner()) = delete;
         if !self.is_cluster() {
             let run_id = self.run_id().await?;
             self.lock_identity().run_id = Some(run_id);
         }
         Ok(())
+    }
+
+    /// Asks the server which native compare-and-delete it has (`COMMAND INFO`). A server
+    /// that does not answer (an ACL that forbids `COMMAND`, say) gets the script.
+    async fn native_delete(&self, conn: &mut Conn) -> NativeDelete {
+        for (name, delete) in [
+            ("DELIFEQ", NativeDelete::DelIfEq),
+            ("DELEX", NativeDelete::DelEx),
+        ] {
+            let info = redis::cmd("COMMAND").arg("INFO").arg(name).to_owned();
+            let answer: RedisResult<Vec<redis::Value>> = self.bounded(info.query_async(conn)).await;
+            if let Ok(answer) = answer
+                && answer.iter().any(|v| !matches!(v, redis::Value::Nil))
+            {
+                return delete;
+            }
+        }
+        NativeDelete::Script
+    }
+
+    /// The native compare-and-delete found at `build()`.
+    pub(crate) fn delete(&self) -> NativeDelete {
+        *self.pool.delete.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn lock_identity(&self) -> std::sync::MutexGuard<'_, Identity> {
@@ -363,6 +403,28 @@ impl Node {
         let mut conn = self.conn().await?;
         let lease = millis(req.lease);
         let call = match &req.shape {
+            // One native command: set if absent; the value already there tells the rest.
+            Shape::Plain => {
+                let set = redis::cmd("SET")
+                    .arg(&req.lock)
+                    .arg(&req.token)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(lease)
+                    .arg("GET")
+                    .to_owned();
+                let mut script = scripts::ACQUIRE.key(&req.lock);
+                script
+                    .key(&req.fence)
+                    .arg(&req.token)
+                    .arg(lease)
+                    .arg(flag(false))
+                    .arg(&req.hold)
+                    .arg(flag(req.reentrant))
+                    .arg(flag(true));
+                let pttl = redis::cmd("PTTL").arg(&req.lock).to_owned();
+                AcquireCall::Set { set, pttl, script }
+            }
             Shape::Exclusive => {
                 let mut call = scripts::ACQUIRE.key(&req.lock);
                 call.key(&req.fence)
@@ -370,8 +432,9 @@ impl Node {
                     .arg(lease)
                     .arg(flag(req.fencing))
                     .arg(&req.hold)
-                    .arg(flag(req.reentrant));
-                call
+                    .arg(flag(req.reentrant))
+                    .arg(flag(false));
+                AcquireCall::Script(call)
             }
             Shape::Write {
                 intent,
@@ -386,7 +449,7 @@ impl Node {
                     .arg(&req.hold)
                     .arg(flag(req.reentrant))
                     .arg(u64::try_from(intent_lease.as_millis()).unwrap_or(u64::MAX));
-                call
+                AcquireCall::Script(call)
             }
             Shape::Share {
                 share,
@@ -405,15 +468,13 @@ impl Node {
                     None => call.arg("read"),
                 };
                 call.arg(flag(req.fencing));
-                call
+                AcquireCall::Script(call)
             }
         };
         if let Some(sync) = self.pool.sync_replicas {
             return self.acquire_replicated(req, &call, sync).await;
         }
-        let (held, value): (i64, i64) =
-            self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
-        Ok(attempt(held, value))
+        self.watch(self.bounded(call.run(&mut conn, &req.token)).await)
     }
 
     /// Runs an acquire script and, after a grant, WAITs for `wanted` replicas for at most
@@ -422,13 +483,12 @@ impl Node {
     async fn acquire_replicated(
         &self,
         req: &AcquireRequest,
-        call: &redis::ScriptInvocation<'_>,
+        call: &AcquireCall<'_>,
         (wanted, timeout): (u32, Duration),
     ) -> RedisResult<Attempt> {
         let mut conn = self.replicated_conn().await?;
-        let (held, value): (i64, i64) =
-            self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
-        if held == 1 {
+        let answer = self.watch(self.bounded(call.run(&mut conn, &req.token)).await)?;
+        if let Attempt::Held { .. } = answer {
             let wait = redis::cmd("WAIT")
                 .arg(wanted)
                 .arg(millis(timeout))
@@ -449,7 +509,7 @@ impl Node {
         } else {
             self.put_back(conn);
         }
-        Ok(attempt(held, value))
+        Ok(answer)
     }
 
     /// An idle connection of the current runtime for a grant and its WAIT, or a new one.
@@ -502,8 +562,12 @@ impl Node {
             token,
             hold,
             share,
+            plain,
         } = ids;
         let mut conn = self.conn().await?;
+        if *plain {
+            return self.unlock(&mut conn, ids, keep).await;
+        }
         let call = match share {
             Some(share) => {
                 let mut call = scripts::SHARE_RELEASE.key(lock);
@@ -521,6 +585,58 @@ impl Node {
         };
         let released: i64 = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
         Ok(released == 1)
+    }
+
+    /// Gives back a plain lock (string form): with the server's native compare-and-delete
+    /// and the wake-up sent together, or with the `unlock.lua` script (also for `min_hold`,
+    /// which leaves a marker behind).
+    async fn unlock(&self, conn: &mut Conn, ids: &HoldIds, keep: Duration) -> RedisResult<bool> {
+        let delete = match self.delete() {
+            _ if !keep.is_zero() => None,
+            NativeDelete::Script => None,
+            NativeDelete::DelIfEq => Some(
+                redis::cmd("DELIFEQ")
+                    .arg(&ids.lock)
+                    .arg(&ids.token)
+                    .to_owned(),
+            ),
+            NativeDelete::DelEx => Some(
+                redis::cmd("DELEX")
+                    .arg(&ids.lock)
+                    .arg("IFEQ")
+                    .arg(&ids.token)
+                    .to_owned(),
+            ),
+        };
+        let Some(delete) = delete else {
+            let mut call = scripts::UNLOCK.key(&ids.lock);
+            call.key(&ids.wake)
+                .arg(&ids.token)
+                .arg(u64::try_from(keep.as_millis()).unwrap_or(u64::MAX));
+            let released: i64 = self.watch(self.bounded(call.invoke_async(conn)).await)?;
+            return Ok(released == 1);
+        };
+        // Both go out back to back on the multiplexed connection: one round trip. The wake-up
+        // is sent whatever the delete finds; a waiter woken for nothing finds the lock busy
+        // and waits again.
+        let publish = redis::cmd("PUBLISH").arg(&ids.wake).arg("").to_owned();
+        let mut other = conn.clone();
+        let (deleted, _published) = self
+            .bounded(async {
+                let (deleted, published) = futures_util::future::join(
+                    delete.query_async::<i64>(conn),
+                    publish.query_async::<i64>(&mut other),
+                )
+                .await;
+                Ok((deleted, published))
+            })
+            .await?;
+        match deleted {
+            Ok(deleted) => Ok(deleted == 1),
+            // Another kind's hash at the key: not this owner's lock.
+            Err(error) if error.code() == Some("WRONGTYPE") => Ok(false),
+            Err(error) => self.watch(Err(error)),
+        }
     }
 
     /// Sets the lease of `lock` (and of the share, for shares) if `token` owns it; `false`
@@ -600,7 +716,21 @@ impl Node {
             Some(share) => redis::cmd("EXISTS").arg(share).to_owned(),
             None => redis::cmd("HEXISTS").arg(lock).arg(token).to_owned(),
         };
-        self.watch(self.bounded(cmd.query_async(&mut conn)).await)
+        match self.bounded(cmd.query_async(&mut conn)).await {
+            // Not a hash: the string form of a plain lock, held when its value is the token.
+            Err(error) if share.is_none() && error.code() == Some("WRONGTYPE") => {
+                let get = redis::cmd("GET").arg(lock).to_owned();
+                match self
+                    .bounded(get.query_async::<Option<String>>(&mut conn))
+                    .await
+                {
+                    Ok(value) => Ok(value.as_deref() == Some(token)),
+                    Err(error) if error.code() == Some("WRONGTYPE") => Ok(false),
+                    Err(error) => self.watch(Err(error)),
+                }
+            }
+            answer => self.watch(answer),
+        }
     }
 
     async fn bounded<T>(&self, op: impl Future<Output = RedisResult<T>>) -> RedisResult<T> {
@@ -704,6 +834,8 @@ pub(crate) struct HoldIds {
     pub(crate) hold: String,
     /// The share's lease key, for read locks and permits.
     pub(crate) share: Option<String>,
+    /// The string form of a plain exclusive lock (value = token), not a hash.
+    pub(crate) plain: bool,
 }
 
 /// One lease in a watchdog batch.
@@ -718,6 +850,8 @@ pub(crate) struct Renewal<'a> {
 /// Which script an acquire attempt runs, with what it needs beyond the common fields.
 #[derive(Debug, Clone)]
 pub(crate) enum Shape {
+    /// A plain exclusive lock (no fencing, no `min_hold`): the string form, one `SET`.
+    Plain,
     Exclusive,
     Write {
         intent: String,
@@ -749,7 +883,7 @@ impl AcquireRequest {
     pub(crate) fn hold_ids(&self) -> HoldIds {
         let share = match &self.shape {
             Shape::Share { share, .. } => Some(share.clone()),
-            Shape::Exclusive | Shape::Write { .. } => None,
+            Shape::Plain | Shape::Exclusive | Shape::Write { .. } => None,
         };
         HoldIds {
             lock: self.lock.clone(),
@@ -757,6 +891,54 @@ impl AcquireRequest {
             token: self.token.clone(),
             hold: self.hold.clone(),
             share,
+            plain: matches!(self.shape, Shape::Plain),
+        }
+    }
+}
+
+/// One acquire attempt as sent: a script, or the native `SET … NX PX … GET` of a plain lock.
+enum AcquireCall<'a> {
+    Script(redis::ScriptInvocation<'a>),
+    /// The `SET`; `PTTL` when it finds another owner (the fallback timer must not outlast
+    /// that owner's lease); the script to run instead when it finds a hash at the key.
+    Set {
+        set: redis::Cmd,
+        pttl: redis::Cmd,
+        script: redis::ScriptInvocation<'a>,
+    },
+}
+
+impl AcquireCall<'_> {
+    async fn run<C>(&self, conn: &mut C, token: &str) -> RedisResult<Attempt>
+    where
+        C: redis::aio::ConnectionLike + Send,
+    {
+        match self {
+            Self::Script(call) => {
+                let (held, value): (i64, i64) = call.invoke_async(conn).await?;
+                Ok(attempt(held, value))
+            }
+            // Nothing there: set. Our own token: an earlier send of this attempt won (its
+            // reply was lost). Another value: busy. A hash (another lock kind, or a lock with
+            // fencing or min_hold) answers WRONGTYPE: the script decides, as it alone can
+            // clear read shares or permits whose leases have ended.
+            Self::Set { set, pttl, script } => {
+                match set.query_async::<Option<String>>(conn).await {
+                    Ok(None) => Ok(Attempt::Held { fence: 0 }),
+                    Ok(Some(value)) if value == token => Ok(Attempt::Held { fence: 0 }),
+                    Ok(Some(_)) => {
+                        let left: i64 = pttl.query_async(conn).await?;
+                        Ok(Attempt::Busy {
+                            holder_ttl: u64::try_from(left).ok().map(Duration::from_millis),
+                        })
+                    }
+                    Err(error) if error.code() == Some("WRONGTYPE") => {
+                        let (held, value): (i64, i64) = script.invoke_async(conn).await?;
+                        Ok(attempt(held, value))
+                    }
+                    Err(error) => Err(error),
+                }
+            }
         }
     }
 }

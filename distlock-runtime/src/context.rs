@@ -16,14 +16,21 @@
 
 use std::cell::RefCell;
 use std::future::Future;
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
+
+use crate::backend::HoldIds;
+use crate::lease::LeaseState;
 
 tokio::task_local! {
     static FRAME: RefCell<Vec<Weak<Held>>>;
 }
 
-/// One lock held in a context. Owned by its guard; frames only point at it, so a released or
-/// dropped guard disappears from every frame by itself.
+/// One lock held in a context: the hold on the server, shared by the guard that took it and
+/// every nested hold of it (nested holds are counted here, not in Redis). Owned by those
+/// guards; frames only point at it, so it disappears from every frame once the last of them
+/// is released or dropped.
 #[derive(Debug)]
 pub(crate) struct Held {
     /// Which manager (its shared state's address): the same key on two managers is two locks.
@@ -32,6 +39,40 @@ pub(crate) struct Held {
     pub(crate) token: String,
     pub(crate) reentrant: bool,
     pub(crate) kind: Kind,
+    /// What names the hold on the server, for the release of the last guard.
+    pub(crate) ids: HoldIds,
+    /// The fencing token drawn by the first hold (0 without fencing).
+    pub(crate) fence: u64,
+    /// The lease of the hold on the server, seen by every guard of it.
+    pub(crate) lease: Arc<LeaseState>,
+    /// Guards not yet released: the first one and the nested ones.
+    pub(crate) guards: AtomicUsize,
+    /// The latest end of a `min_hold` asked for by any of the guards.
+    pub(crate) keep_until: Mutex<Option<Instant>>,
+}
+
+impl Held {
+    /// One more guard on this hold, keeping the key until `keep_until` at least.
+    pub(crate) fn enter(&self, keep_until: Option<Instant>) {
+        self.guards.fetch_add(1, Ordering::AcqRel);
+        self.keep(keep_until);
+    }
+
+    /// Keeps the key until `until` at least once the last guard is released.
+    pub(crate) fn keep(&self, until: Option<Instant>) {
+        let mut keep = self.keep_until.lock().unwrap_or_else(|e| e.into_inner());
+        *keep = (*keep).max(until);
+    }
+
+    /// One guard fewer: `true` for the last one, which gives the hold back on the server.
+    pub(crate) fn leave(&self) -> bool {
+        self.guards.fetch_sub(1, Ordering::AcqRel) == 1
+    }
+
+    /// Until when the key must live after the last release.
+    pub(crate) fn keep_until(&self) -> Option<Instant> {
+        *self.keep_until.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// What sort of hold a context entry is.

@@ -33,13 +33,13 @@ pub(crate) struct Parts {
     pub(crate) manager: LockManager,
     pub(crate) keys: Keys,
     pub(crate) token: String,
-    pub(crate) hold: String,
     pub(crate) share: Option<String>,
     pub(crate) fence: Option<u64>,
+    /// The lease of the hold on the server (shared with nested holds).
     pub(crate) lease: Arc<LeaseState>,
     pub(crate) acquired: Acquired,
-    pub(crate) min_hold: Option<Duration>,
     pub(crate) renewal: Option<Registration>,
+    /// The hold on the server, shared with the other guards of this owner that nest in it.
     pub(crate) held: Arc<Held>,
 }
 
@@ -71,8 +71,8 @@ enum Hold {
 impl LockGuard {
     pub(crate) fn new(parts: Parts) -> Self {
         let live = Live {
-            ids: ids_of(&parts),
-            keep_until: keep_until(&parts),
+            ids: parts.held.ids.clone(),
+            keep_until: parts.held.keep_until(),
             lease: parts.lease.clone(),
         };
         let hold = match parts.manager.inner.holds.list(live) {
@@ -240,6 +240,9 @@ impl LockGuard {
     /// valid, it counts as released.
     /// With `min_hold`, the key stays (owned by nobody) until `min_hold` after the acquisition.
     ///
+    /// Nested holds are counted in this process: releasing one while others of the same owner
+    /// remain (in any order) asks nothing of Redis, and the lock is given back with the last.
+    ///
     /// If this future is dropped before Redis answers, the release is still sent, from the
     /// manager's background runtime. After [`LockManager::shutdown`] gave the lock back, this
     /// returns [`LockError::ShutDown`].
@@ -248,8 +251,16 @@ impl LockGuard {
         if !self.unlist() {
             return Err(LockError::ShutDown);
         }
+        if !self.parts.held.leave() {
+            // Other holds of this owner keep the lock.
+            if self.parts.lease.is_lost() {
+                self.parts.lease.mark_lost();
+                return Err(self.lost_error());
+            }
+            return Ok(());
+        }
         let inner = &self.parts.manager.inner;
-        let keep_until = keep_until(&self.parts);
+        let keep_until = self.parts.held.keep_until();
         // Sends the release again from the background if this future is dropped midway.
         let mut unanswered = Unanswered(Some((inner.clone(), self.ids(), keep_until)));
         let mut retried = false;
@@ -289,7 +300,7 @@ impl LockGuard {
     }
 
     fn ids(&self) -> HoldIds {
-        ids_of(&self.parts)
+        self.parts.held.ids.clone()
     }
 
     fn lost_error(&self) -> LockError {
@@ -309,26 +320,16 @@ impl LockGuard {
 impl Drop for LockGuard {
     fn drop(&mut self) {
         self.parts.renewal = None;
-        if self.unlist() {
-            let keep_until = keep_until(&self.parts);
+        if self.unlist() && self.parts.held.leave() {
+            let keep_until = self.parts.held.keep_until();
             release_in_background(&self.parts.manager.inner, self.ids(), keep_until);
         }
     }
 }
 
-fn ids_of(p: &Parts) -> HoldIds {
-    HoldIds {
-        lock: p.keys.lock.clone(),
-        wake: p.keys.companion("wake"),
-        token: p.token.clone(),
-        hold: p.hold.clone(),
-        share: p.share.clone(),
-    }
-}
-
-/// Until when the key must live after release (min_hold), counted from the acquisition.
-fn keep_until(p: &Parts) -> Option<Instant> {
-    p.min_hold.map(|min| saturating_add(p.acquired.sent, min))
+/// Until when the key must live after release for a `min_hold`, counted from the acquisition.
+pub(crate) fn keep_until(sent: Instant, min_hold: Option<Duration>) -> Option<Instant> {
+    min_hold.map(|min| saturating_add(sent, min))
 }
 
 /// How much longer the key must live after a release sent now.

@@ -1,7 +1,8 @@
 //! The request builder for one lock, and the acquire loop.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tracing::Instrument;
@@ -9,7 +10,7 @@ use tracing::Instrument;
 use crate::LockError;
 use crate::backend::{AcquireRequest, Attempt, Shape};
 use crate::context::{self, Held, Kind};
-use crate::guard::{Acquired, LockGuard, Parts};
+use crate::guard::{Acquired, LockGuard, Parts, keep_until};
 use crate::key::Keys;
 use crate::lease::LeaseState;
 use crate::manager::LockManager;
@@ -345,56 +346,44 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
         })
     };
     // Who holds what: a fresh owner, a nested hold of this task's own lock, or a mistake.
-    let (token, hold, shape, kind, reentrant) = match (plan.kind, outer.as_deref()) {
-        (kind, None) => {
-            let token = new_token();
-            let (shape, kind) = shape_of(kind, &plan, &token);
-            (token.clone(), token, shape, kind, plan.reentrant)
-        }
+    let nest = match (plan.kind, outer.as_deref()) {
+        (_, None) => false,
         (RequestKind::Exclusive | RequestKind::Write, Some(held)) => match held.kind {
-            Kind::Exclusive if held.reentrant && plan.reentrant => {
-                let (shape, kind) = shape_of(plan.kind, &plan, &held.token);
-                (held.token.clone(), new_token(), shape, kind, true)
-            }
+            Kind::Exclusive if held.reentrant && plan.reentrant => true,
             Kind::Read if plan.kind == RequestKind::Write => return busy_self(true),
             _ => return busy_self(false),
         },
         (RequestKind::Read, Some(held)) => match held.kind {
-            // Downgrade: the writer takes the read side as a nested hold of its write lock.
-            Kind::Exclusive => (
-                held.token.clone(),
-                new_token(),
-                Shape::Exclusive,
-                Kind::Exclusive,
-                true,
-            ),
-            // Another read hold of the same share.
-            Kind::Read => {
-                let (shape, kind) = shape_of(plan.kind, &plan, &held.token);
-                (held.token.clone(), new_token(), shape, kind, plan.reentrant)
-            }
+            // Downgrade: the writer takes the read side as a nested hold of its write lock;
+            // or another read hold of the same share.
+            Kind::Exclusive | Kind::Read => true,
             Kind::Permit => return busy_self(false),
         },
         // Another permit is an independent holder; anything else on the key would wait for
         // this task's own lock.
-        (RequestKind::Permits(_), Some(held)) if held.kind == Kind::Permit => {
-            let token = new_token();
-            let (shape, kind) = shape_of(plan.kind, &plan, &token);
-            (token.clone(), token, shape, kind, plan.reentrant)
+        (RequestKind::Permits(_), Some(held)) => {
+            if held.kind != Kind::Permit {
+                return busy_self(false);
+            }
+            false
         }
-        (RequestKind::Permits(_), Some(_)) => return busy_self(false),
     };
-    let nested = outer.is_some() && token != hold;
+    if let (true, Some(held)) = (nest, outer) {
+        // The task already owns the lock: counted here, no round trip.
+        return Ok(nested(manager, plan, held));
+    }
+    let token = new_token();
+    let (shape, kind) = shape_of(plan.kind, &plan, &token);
     let request = AcquireRequest {
         shape,
         lock: plan.keys.lock.clone(),
         fence: plan.keys.companion("fence"),
         wake: plan.keys.companion("wake"),
+        hold: token.clone(),
         token,
-        hold,
         lease: plan.ttl,
         fencing: plan.fencing,
-        reentrant,
+        reentrant: plan.reentrant,
     };
     let started = Instant::now();
     let deadline = plan.wait.map(|wait| started + wait);
@@ -421,7 +410,7 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
     // A request that may wait queues behind local waiters instead of overtaking them. A nested
     // hold of this task's own lock never queues: it is granted at once, and the waiters ahead
     // of it wait for this very lock.
-    let queues = !nested && plan.retries > 0;
+    let queues = plan.retries > 0;
     let join = || {
         inner
             .waiters
@@ -465,10 +454,7 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
                     sent,
                 };
                 tracing::debug!(attempts, waited = ?acquired.waited, "acquired");
-                let recorded = record && !nested;
-                return Ok(grant(
-                    manager, plan, request, kind, fence, acquired, recorded,
-                ));
+                return Ok(grant(manager, plan, request, kind, fence, acquired, record));
             }
             Ok(Attempt::Busy { holder_ttl }) => {
                 in_flight.maybe_held = false;
@@ -557,10 +543,8 @@ fn grant(
 ) -> LockGuard {
     let inner = &manager.inner;
     let lease = Arc::new(LeaseState::new(acquired.sent, plan.ttl));
-    let share = match &request.shape {
-        Shape::Share { share, .. } => Some(share.clone()),
-        Shape::Exclusive | Shape::Write { .. } => None,
-    };
+    let ids = request.hold_ids();
+    let share = ids.share.clone();
     let renewal = plan.watchdog.then(|| {
         let target = Target {
             lock: request.lock.clone(),
@@ -577,6 +561,11 @@ fn grant(
         token: request.token.clone(),
         reentrant: plan.reentrant,
         kind,
+        ids,
+        fence,
+        lease: lease.clone(),
+        guards: AtomicUsize::new(1),
+        keep_until: Mutex::new(keep_until(acquired.sent, plan.min_hold)),
     });
     if recorded {
         context::record(&held);
@@ -585,12 +574,48 @@ fn grant(
         manager: manager.clone(),
         keys: plan.keys,
         token: request.token,
-        hold: request.hold,
         share,
         fence: plan.fencing.then_some(fence),
         lease,
         acquired,
-        min_hold: plan.min_hold,
+        renewal,
+        held,
+    })
+}
+
+/// The guard of a nested hold of `held`, which this code already owns: it shares the outer
+/// hold's token, lease, share and fencing token, and asks nothing of Redis. Its `min_hold`
+/// is kept when the last hold is released; with `watchdog`, it renews the shared lease too.
+/// Not recorded: the outer hold is already visible where it is taken.
+fn nested(manager: &LockManager, plan: Plan, held: Arc<Held>) -> LockGuard {
+    let inner = &manager.inner;
+    let sent = Instant::now();
+    held.enter(keep_until(sent, plan.min_hold));
+    let lease = held.lease.clone();
+    let share = held.ids.share.clone();
+    let renewal = plan.watchdog.then(|| {
+        let target = Target {
+            lock: held.lock.clone(),
+            share: share.clone(),
+            token: held.token.clone(),
+        };
+        inner
+            .watchdog
+            .register(inner, target, lease.clone(), sent, plan.max_hold)
+    });
+    tracing::debug!("acquired a nested hold");
+    LockGuard::new(Parts {
+        manager: manager.clone(),
+        keys: plan.keys,
+        token: held.token.clone(),
+        share,
+        fence: plan.fencing.then_some(held.fence),
+        lease,
+        acquired: Acquired {
+            attempts: 1,
+            waited: Duration::ZERO,
+            sent,
+        },
         renewal,
         held,
     })
@@ -601,6 +626,10 @@ fn shape_of(kind: RequestKind, plan: &Plan, token: &str) -> (Shape, Kind) {
     let share = || format!("{}:s:{token}", plan.keys.lock);
     let intent = || plan.keys.companion("wi");
     match kind {
+        // The string form: one native command each way.
+        RequestKind::Exclusive if !plan.fencing && plan.min_hold.is_none() => {
+            (Shape::Plain, Kind::Exclusive)
+        }
         RequestKind::Exclusive => (Shape::Exclusive, Kind::Exclusive),
         RequestKind::Write => {
             // Keeps new readers out between this writer's attempts, no longer.

@@ -25,12 +25,25 @@ pub(crate) static RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("scripts/release.lua")));
 
 /// Set the lease of a held lock: 1 set, 0 not held.
-pub(crate) static EXTEND: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("scripts/extend.lua")));
+pub(crate) static EXTEND: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("scripts/held_by.lua"),
+        include_str!("scripts/extend.lua")
+    ))
+});
 
 /// Renew a batch of leases, each checked against its token: one 1/0 per key.
-pub(crate) static RENEW: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("scripts/renew.lua")));
+pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("scripts/held_by.lua"),
+        include_str!("scripts/renew.lua")
+    ))
+});
+
+/// Give back a plain exclusive lock (string form) if the token still owns it: 1 released,
+/// 0 not held. Used where the server has no native compare-and-delete, or with `min_hold`.
+pub(crate) static UNLOCK: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("scripts/unlock.lua")));
 
 /// Take the write side of a read-write lock: `{1, fence}` or `{0, pttl}`.
 pub(crate) static WRITE_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
@@ -58,8 +71,9 @@ pub(crate) static SHARE_RELEASE: LazyLock<Script> = LazyLock::new(|| {
 });
 
 /// Every script, for loading them all when a manager connects.
-pub(crate) fn all() -> [&'static Script; 7] {
+pub(crate) fn all() -> [&'static Script; 8] {
     [
+        &UNLOCK,
         &ACQUIRE,
         &RELEASE,
         &EXTEND,

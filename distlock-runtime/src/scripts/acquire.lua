@@ -8,6 +8,9 @@
 -- ARGV[3]  "1" to draw a fencing token, "0" otherwise
 -- ARGV[4]  hold id: names this one acquisition (equal to the token for a first hold)
 -- ARGV[5]  "1" if a holder with the same token may re-enter, "0" otherwise
+-- ARGV[6]  "1" to take a plain lock in its string form (value = token) instead of a hash:
+--          sent when `SET … NX` found a hash at the key, whose dead shares only this script
+--          can clear
 --
 -- Returns {1, fence} when the caller holds the lock (fence is 0 without fencing),
 -- or {0, pttl} when another owner (of any kind, or the min_hold marker) holds it for pttl
@@ -17,8 +20,20 @@
 
 local lock, token, lease, hold = KEYS[1], ARGV[1], tonumber(ARGV[2]), ARGV[4]
 
+local plain = ARGV[6] == '1'
 local kind = kind_of(lock)
+if plain and kind == 'foreign' then
+  -- The string form: held when it is this owner's (a resend), busy otherwise.
+  if redis.pcall('get', lock) == token then
+    return {1, 0}
+  end
+  return {0, redis.call('pttl', lock)}
+end
 if kind == nil or free_of_dead_shares(lock, kind) then
+  if plain then
+    redis.call('set', lock, token, 'PX', lease)
+    return {1, 0}
+  end
   local fence = 0
   if ARGV[3] == '1' then
     fence = redis.call('incr', KEYS[2])

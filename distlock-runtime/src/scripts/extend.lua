@@ -2,7 +2,7 @@
 -- owns it. A longer lease already set is kept: extending never shortens a lease, so the
 -- client's own deadline never runs past the server's.
 --
--- KEYS[1]  the lock hash
+-- KEYS[1]  the lock: a hash, or the string form of a plain exclusive lock (value = token)
 -- KEYS[2]  (shares only) the share's lease key
 -- ARGV[1]  owner token
 -- ARGV[2]  lease in milliseconds, counted from now
@@ -11,7 +11,7 @@
 -- the caller no longer holds it.
 
 local lock, token, lease = KEYS[1], ARGV[1], tonumber(ARGV[2])
-if redis.call('hexists', lock, token) == 0 then
+if not held_by(lock, token) then
   return 0
 end
 if KEYS[2] then
