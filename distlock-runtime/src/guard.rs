@@ -265,14 +265,8 @@ impl LockGuard {
                     tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "released");
                     Ok(())
                 }
-                // The first attempt may have released it before its reply was lost (ours, or
-                // one the client resent by itself).
-                Ok(false)
-                    if (retried || inner.backend.resends_by_itself())
-                        && !self.parts.lease.is_lost() =>
-                {
-                    Ok(())
-                }
+                // The first attempt may have released it before its reply was lost.
+                Ok(false) if retried && !self.parts.lease.is_lost() => Ok(()),
                 Ok(false) => {
                     self.parts.lease.mark_lost();
                     Err(self.lost_error())
