@@ -907,8 +907,9 @@ impl Backend {
         if held >= self.quorum && elapsed + drift < req.lease {
             return Ok(Attempt::Held { fence });
         }
-        // Not held: give back whatever was granted, on every node, before answering.
-        if held > 0 {
+        // Not held: give back whatever was granted, on every node, before answering. A node
+        // that did not answer in time may still apply the grant late: it is told too.
+        if held > 0 || failed > 0 {
             let ids = req.hold_ids();
             let releases = self
                 .nodes

@@ -58,6 +58,19 @@ pub(crate) fn find(manager: usize, lock: &str) -> Option<Arc<Held>> {
         .flatten()
 }
 
+/// How many holds of `lock` of `manager` the current frame sees (several permits, say).
+pub(crate) fn count(manager: usize, lock: &str) -> usize {
+    FRAME
+        .try_with(|held| {
+            held.borrow()
+                .iter()
+                .filter_map(Weak::upgrade)
+                .filter(|h| h.manager == manager && h.lock == lock)
+                .count()
+        })
+        .unwrap_or(0)
+}
+
 /// Records `held` in the current frame, if there is one.
 pub(crate) fn record(held: &Arc<Held>) {
     let _ = FRAME.try_with(|list| {

@@ -377,6 +377,13 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
         },
         // Another permit is an independent holder; anything else on the key would wait for
         // this task's own lock.
+        // Unless this code already holds every permit: it would wait for itself.
+        (RequestKind::Permits(permits), Some(held))
+            if held.kind == Kind::Permit
+                && context::count(manager_id, &plan.keys.lock) >= permits as usize =>
+        {
+            return busy_self(false);
+        }
         (RequestKind::Permits(_), Some(held)) if held.kind == Kind::Permit => {
             let token = new_token();
             let (shape, kind) = shape_of(plan.kind, &plan, &token);
@@ -427,7 +434,11 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
             .waiters
             .join(&request.wake, &inner.backend, &inner.driver)
     };
-    let mut ticket = (queues && inner.waiters.has_waiters(&request.wake)).then(join);
+    // Readers and permit holders try first: the waiters ahead may want another kind, while
+    // this request may overlap the holders (a free permit, readers inside); queueing it
+    // behind them could make it wait for a lock the server would grant, even for itself.
+    let shares = matches!(plan.kind, RequestKind::Read | RequestKind::Permits(_));
+    let mut ticket = (queues && !shares && inner.waiters.has_waiters(&request.wake)).then(join);
     let mut failure: Option<redis::RedisError>;
     let mut attempts = 0u32;
     loop {
