@@ -35,6 +35,7 @@ mod lock;
 mod manager;
 mod retry;
 mod scripts;
+mod security;
 mod waiters;
 mod watchdog;
 
