@@ -23,6 +23,7 @@
     unreachable_pub
 )]
 
+mod acl;
 mod backend;
 mod context;
 mod driver;
