@@ -157,3 +157,20 @@ async fn redlock_over_tls() {
     .expect("connects to every master over mutual TLS");
     round_trip(&locks).await;
 }
+
+#[tokio::test]
+async fn tls_files_from_the_environment() {
+    let certs = TestCertificates::generate().unwrap();
+    let server = RedisServer::start_tls(&certs, true).unwrap();
+    let path = |name: &str| certs.path(name).to_string_lossy().into_owned();
+    let builder = LockManagerBuilder::from_vars([
+        ("DISTLOCK_URL", server.url()),
+        ("DISTLOCK_KEY_PREFIX", support::unique_prefix("tls-env")),
+        ("DISTLOCK_TLS_CA_FILE", path("ca.crt")),
+        ("DISTLOCK_TLS_CERT_FILE", path("client.crt")),
+        ("DISTLOCK_TLS_KEY_FILE", path("client.key")),
+    ])
+    .unwrap();
+    let locks = build(builder).await.expect("connects over mutual TLS");
+    round_trip(&locks).await;
+}
