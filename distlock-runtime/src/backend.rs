@@ -23,6 +23,7 @@ use redis::{
 };
 
 use crate::scripts;
+use crate::security::Security;
 
 /// The answer to one acquire attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,7 +39,7 @@ pub(crate) enum Attempt {
 }
 
 /// How a backend connects.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct ConnectOptions {
     pub(crate) connect_timeout: Duration,
     pub(crate) response_timeout: Duration,
@@ -46,6 +47,8 @@ pub(crate) struct ConnectOptions {
     pub(crate) sync_replicas: Option<(u32, Duration)>,
     /// How long a RedLock master that restarted stays out of quorums.
     pub(crate) restart_delay: Duration,
+    /// Credentials and TLS material beyond what the URLs say.
+    pub(crate) security: Arc<Security>,
 }
 
 /// One Redis server (or anything that speaks to one endpoint).
@@ -76,6 +79,7 @@ struct Pool {
     replicated: Mutex<HashMap<runtime::Id, Vec<MultiplexedConnection>>>,
     /// Set for a Redis Cluster: connections follow the slot map (MOVED, ASK, failovers).
     cluster: Option<ClusterClient>,
+    security: Arc<Security>,
 }
 
 /// A connection of one runtime: to one server, or to a whole Cluster.
@@ -136,7 +140,7 @@ impl Node {
         sentinel: Option<Sentinel>,
         cluster: Option<ClusterClient>,
     ) -> RedisResult<Self> {
-        let client = Client::open(url)?;
+        let client = options.security.client(url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(options.connect_timeout))
             .set_response_timeout(Some(options.response_timeout))
@@ -156,6 +160,7 @@ impl Node {
                 sync_replicas: options.sync_replicas,
                 by_runtime: Mutex::new(HashMap::new()),
                 replicated: Mutex::new(HashMap::new()),
+                security: options.security,
             }),
         };
         Ok(node)
@@ -172,6 +177,7 @@ impl Node {
             sentinels: sentinels.to_vec(),
             master: master.to_owned(),
             refreshing: AtomicBool::new(false),
+            security: options.security.clone(),
         };
         let master = source.resolve(options.connect_timeout).await?;
         Self::with(master, options, Some(source), None)
@@ -182,10 +188,10 @@ impl Node {
         let first = seeds
             .first()
             .ok_or_else(|| RedisError::from(io::Error::other("no Cluster seed given")))?;
-        let cluster = ClusterClient::builder(seeds.to_vec())
+        let builder = ClusterClient::builder(seeds.to_vec())
             .connection_timeout(options.connect_timeout)
-            .response_timeout(options.response_timeout)
-            .build()?;
+            .response_timeout(options.response_timeout);
+        let cluster = options.security.cluster(builder).build()?;
         Self::with(first.as_str(), options, None, Some(cluster))
     }
 
@@ -234,7 +240,7 @@ impl Node {
             return;
         };
         match sentinel.resolve(self.pool.connect_timeout).await {
-            Ok(master) => match Client::open(master) {
+            Ok(master) => match self.pool.security.client(master) {
                 Ok(client) => {
                     let master = client.get_connection_info().addr().to_string();
                     let moved = {
@@ -272,10 +278,50 @@ impl Node {
             bounded(limit, script.prepare_invoke().load_async(&mut conn)).await?;
         }
         if !self.is_cluster() {
-            let run_id = self.run_id().await?;
-            self.lock_identity().run_id = Some(run_id);
+            match self.run_id().await {
+                Ok(run_id) => self.lock_identity().run_id = Some(run_id),
+                // INFO is `@dangerous`: a user without it works, unchecked for restarts.
+                Err(error) if denied(&error) => self.lock_identity().unchecked = true,
+                Err(error) => return Err(error),
+            }
         }
         Ok(())
+    }
+
+    /// Whether INFO was denied at `load_scripts`, so that a restart cannot be noticed.
+    pub(crate) fn identity_unchecked(&self) -> bool {
+        self.lock_identity().unchecked
+    }
+
+    /// Sends the first of `cmds` that the user may run to the master behind this node (on
+    /// Cluster: to every master), and returns its index and each answer with the master's
+    /// address; the error of the last one when every one is denied.
+    pub(crate) async fn ask_masters(
+        &self,
+        cmds: &[redis::Cmd],
+    ) -> RedisResult<(usize, Vec<(String, redis::Value)>)> {
+        use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+        let mut last = None;
+        for (at, cmd) in cmds.iter().enumerate() {
+            let answers = match self.conn().await? {
+                Conn::Cluster(mut conn) => {
+                    let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                    let answers = self.bounded(conn.route_command(cmd.clone(), all)).await;
+                    answers.and_then(|a| Ok(redis::from_redis_value(a)?))
+                }
+                Conn::Single(mut conn) => {
+                    let master = self.client().get_connection_info().addr().to_string();
+                    let answer = self.watch(self.bounded(cmd.query_async(&mut conn)).await);
+                    answer.map(|answer| vec![(master, answer)])
+                }
+            };
+            match answers {
+                Ok(answers) => return Ok((at, answers)),
+                Err(error) if denied(&error) => last = Some(error),
+                Err(error) => return Err(error),
+            }
+        }
+        Err(last.unwrap_or_else(|| io::Error::other("no command to send").into()))
     }
 
     fn lock_identity(&self) -> std::sync::MutexGuard<'_, Identity> {
@@ -304,6 +350,9 @@ impl Node {
     pub(crate) async fn eligible(&self) -> bool {
         let (suspect, known) = {
             let identity = self.lock_identity();
+            if identity.unchecked {
+                return true;
+            }
             if identity
                 .excluded_until
                 .is_some_and(|until| std::time::Instant::now() < until)
@@ -616,6 +665,22 @@ struct Identity {
     suspect: bool,
     /// Restarted: not counted in quorums until then.
     excluded_until: Option<std::time::Instant>,
+    /// INFO is denied to the user: restarts cannot be noticed.
+    unchecked: bool,
+}
+
+/// Whether the server refused a command to this user (NOPERM), or does not know it (renamed
+/// away, as managed services do).
+pub(crate) fn denied(error: &RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    match error.kind() {
+        ErrorKind::Server(ServerErrorKind::NoPerm) => true,
+        ErrorKind::Server(ServerErrorKind::ResponseError) => {
+            let text = error.to_string();
+            text.contains("unknown command") || text.contains("NOPERM")
+        }
+        _ => false,
+    }
 }
 
 /// Where a Sentinel-managed master is found.
@@ -623,6 +688,7 @@ struct Sentinel {
     sentinels: Vec<String>,
     master: String,
     refreshing: AtomicBool,
+    security: Arc<Security>,
 }
 
 impl Sentinel {
@@ -639,7 +705,7 @@ impl Sentinel {
                 }
             };
             let ask = async {
-                let client = Client::open(info.clone())?;
+                let client = self.security.tls_client(info.clone())?;
                 let mut conn = client.get_multiplexed_async_connection().await?;
                 let addr: Option<(String, u16)> = redis::cmd("SENTINEL")
                     .arg("get-master-addr-by-name")
@@ -830,7 +896,7 @@ impl Backend {
     pub(crate) async fn connect(urls: &[String], options: ConnectOptions) -> RedisResult<Self> {
         let nodes = urls
             .iter()
-            .map(|url| Node::new(url, options))
+            .map(|url| Node::new(url, options.clone()))
             .collect::<RedisResult<Vec<_>>>()?;
         let quorum = nodes.len() / 2 + 1;
         let loaded = join_all(nodes.iter().map(Node::load_scripts)).await;
@@ -838,6 +904,14 @@ impl Backend {
         if reachable < quorum {
             let first = loaded.into_iter().find_map(Result::err);
             return Err(first.unwrap_or_else(|| io::Error::other("no node reachable").into()));
+        }
+        let unchecked = nodes.iter().filter(|n| n.identity_unchecked()).count();
+        if nodes.len() > 1 && unchecked > 0 {
+            tracing::warn!(
+                masters = unchecked,
+                "INFO is denied to this user: a RedLock master that restarts (and forgets its \
+                 locks) cannot be noticed and kept out of quorums; allow `+info` to check"
+            );
         }
         Ok(Self {
             nodes: nodes.into(),
@@ -1036,6 +1110,15 @@ impl Backend {
     /// A pub/sub connection for wake-ups (on the first node).
     pub(crate) async fn pubsub(&self) -> RedisResult<redis::aio::PubSub> {
         self.first().pubsub().await
+    }
+
+    /// Sends `cmd` to every master and returns each node's answers (see
+    /// [`Node::ask_masters`]).
+    pub(crate) async fn ask_masters(
+        &self,
+        cmds: &[redis::Cmd],
+    ) -> Vec<RedisResult<(usize, Vec<(String, redis::Value)>)>> {
+        join_all(self.nodes.iter().map(|n| n.ask_masters(cmds))).await
     }
 
     /// Whether this backend spreads each lock over independent masters.

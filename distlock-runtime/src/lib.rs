@@ -23,6 +23,7 @@
     unreachable_pub
 )]
 
+mod acl;
 mod backend;
 mod context;
 mod driver;
@@ -35,6 +36,7 @@ mod lock;
 mod manager;
 mod retry;
 mod scripts;
+mod security;
 mod waiters;
 mod watchdog;
 
