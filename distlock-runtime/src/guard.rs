@@ -37,6 +37,7 @@ pub(crate) struct Parts {
     pub(crate) min_hold: Option<Duration>,
     pub(crate) renewal: Option<Registration>,
     pub(crate) held: Arc<Held>,
+    pub(crate) metrics: crate::metrics::Labels,
 }
 
 /// Proof that this owner holds a lock. Dropping it releases the lock.
@@ -253,6 +254,7 @@ impl LockGuard {
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
+        crate::metrics::hold_ended(self.parts.metrics, self.parts.acquired.sent, self.is_lost());
         if !self.released {
             self.parts.renewal = None;
             release_in_background(&self.parts.manager, self.ids(), self.keep());

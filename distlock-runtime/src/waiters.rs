@@ -77,6 +77,8 @@ pub(crate) struct KeyState {
     subscribed_in: AtomicU64,
     /// The last word from Redis to a local waiter: the failure, or none after a busy answer.
     last_failure: Mutex<Option<redis::RedisError>>,
+    /// The metric labels of the waiter that opened this state.
+    metrics: crate::metrics::Labels,
 }
 
 #[derive(Debug, Default)]
@@ -92,6 +94,7 @@ pub(crate) struct Ticket {
     id: u64,
     shared: Weak<Shared>,
     driver_backend: Option<(Backend, Arc<Driver>)>,
+    _waiting: crate::metrics::Waiting,
 }
 
 impl Waiters {
@@ -120,7 +123,13 @@ impl Waiters {
     }
 
     /// Joins the back of the queue for the lock behind `channel`.
-    pub(crate) fn join(&self, channel: &str, backend: &Backend, driver: &Arc<Driver>) -> Ticket {
+    pub(crate) fn join(
+        &self,
+        channel: &str,
+        backend: &Backend,
+        driver: &Arc<Driver>,
+        metrics: crate::metrics::Labels,
+    ) -> Ticket {
         let key = self
             .shared
             .lock_keys()
@@ -134,6 +143,7 @@ impl Waiters {
                     wakes: AtomicU64::new(0),
                     subscribed_in: AtomicU64::new(0),
                     last_failure: Mutex::default(),
+                    metrics,
                 })
             })
             .clone();
@@ -149,6 +159,7 @@ impl Waiters {
             id,
             shared: Arc::downgrade(&self.shared),
             driver_backend: Some((backend.clone(), driver.clone())),
+            _waiting: crate::metrics::Waiting::new(metrics),
         }
     }
 
@@ -157,6 +168,7 @@ impl Waiters {
         let key = self.shared.lock_keys().get(channel).cloned();
         if let Some(key) = key {
             key.woken();
+            crate::metrics::handoff(key.metrics);
         }
     }
 }
