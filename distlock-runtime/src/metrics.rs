@@ -13,10 +13,10 @@
 //! | name | type | extra labels | meaning |
 //! |---|---|---|---|
 //! | `distlock_acquire_attempts_total` | counter | | attempts sent to Redis |
-//! | `distlock_acquires_total` | counter | `outcome` | requests that ended: `acquired`, `busy` (not taken within its bounds), `refused` (would deadlock, upgrade, permits mismatch), `error` (Redis failed) |
+//! | `distlock_acquires_total` | counter | `outcome` | requests that ended: `acquired`, `busy` (not taken within its bounds), `refused` (would deadlock, upgrade, permits mismatch), `shutdown` (the manager was shut down), `error` (Redis failed) |
 //! | `distlock_acquire_wait_seconds` | histogram | `outcome` | time from the request to its outcome |
 //! | `distlock_hold_seconds` | histogram | | time from acquisition to release (or drop) |
-//! | `distlock_lost_total` | counter | | holds that ended with their lease lost, as [`LockGuard::is_lost`] tells |
+//! | `distlock_lost_total` | counter | | holds that ended with their lease lost, as [`LockGuard::is_lost`] tells (not those given back by shutdown) |
 //! | `distlock_renewals_total` | counter | `outcome` | watchdog renewals of one lease: `renewed`, `lost` (another owner or no key), `failed` (Redis failed; retried) |
 //! | `distlock_handoffs_total` | counter | | releases that woke a waiter of the same manager directly |
 //! | `distlock_waiting` | gauge | | requests waiting in the manager's queue for a busy lock |
@@ -33,7 +33,8 @@ use crate::lock::RequestKind;
 
 /// Counter: attempts sent to Redis.
 pub const ACQUIRE_ATTEMPTS: &str = "distlock_acquire_attempts_total";
-/// Counter: requests that ended, by `outcome` (`acquired`, `busy`, `refused`, `error`).
+/// Counter: requests that ended, by `outcome` (`acquired`, `busy`, `refused`, `shutdown`,
+/// `error`).
 pub const ACQUIRES: &str = "distlock_acquires_total";
 /// Histogram, seconds: time from the request to its outcome, by `outcome`.
 pub const ACQUIRE_WAIT: &str = "distlock_acquire_wait_seconds";
@@ -155,6 +156,7 @@ pub(crate) fn acquire_ended(
                 | LockError::Upgrade { .. }
                 | LockError::PermitsMismatch { .. },
             ) => "refused",
+            Err(LockError::ShutDown) => "shutdown",
             Err(_) => "error",
         };
         labelled!(counter, ACQUIRES, labels, "outcome" => outcome).increment(1);

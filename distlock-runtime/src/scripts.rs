@@ -186,6 +186,16 @@ mod tests {
         assert_eq!(owner, 1);
         let pttl: i64 = conn.pttl(lock).await.unwrap();
         assert!(pttl > 50_000);
+        let shorter: i64 = EXTEND
+            .key(lock)
+            .arg("a")
+            .arg(1_000)
+            .invoke_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(shorter, 1);
+        let pttl: i64 = conn.pttl(lock).await.unwrap();
+        assert!(pttl > 50_000, "extend never shortens a lease");
 
         assert_eq!(release(&mut conn, lock, "b", "b").await, 0);
         assert!(conn.exists::<_, bool>(lock).await.unwrap());
