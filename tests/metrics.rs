@@ -38,8 +38,9 @@ fn snapshotter() -> &'static Snapshotter {
 /// Every metric seen so far: counters and gauges at their current value, histograms with
 /// every value ever recorded.
 fn seen() -> Vec<(CompositeKey, DebugValue)> {
-    let snapshot = snapshotter().snapshot().into_vec();
+    // Snapshot under the lock: a concurrent caller must not read before these are added.
     let mut seen = SEEN.lock().unwrap();
+    let snapshot = snapshotter().snapshot().into_vec();
     let seen = seen.get_or_insert_with(HashMap::new);
     for (key, _, _, value) in snapshot {
         match (seen.get_mut(&key), value) {

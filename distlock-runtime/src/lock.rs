@@ -474,6 +474,7 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
             Ok(Attempt::Held { fence }) => {
                 in_flight.maybe_held = false;
                 drop(in_flight);
+                crate::metrics::handed_over(plan.metrics, ticket.is_some());
                 let acquired = Acquired {
                     attempts,
                     waited: started.elapsed(),

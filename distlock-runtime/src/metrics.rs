@@ -18,7 +18,7 @@
 //! | `distlock_hold_seconds` | histogram | | time from acquisition to release (or drop) |
 //! | `distlock_lost_total` | counter | | holds that ended with their lease lost, as [`LockGuard::is_lost`] tells (not those given back by shutdown) |
 //! | `distlock_renewals_total` | counter | `outcome` | watchdog renewals of one lease: `renewed`, `lost` (another owner or no key), `failed` (Redis failed; retried) |
-//! | `distlock_handoffs_total` | counter | | releases that woke a waiter of the same manager directly |
+//! | `distlock_handoffs_total` | counter | | locks taken by a request that had queued for them: a release (or an expiry) handed the lock to a waiter |
 //! | `distlock_waiting` | gauge | | requests waiting in the manager's queue for a busy lock |
 //!
 //! Descriptions and units are registered on the first request, or by [`describe`] after
@@ -44,7 +44,7 @@ pub const HOLD: &str = "distlock_hold_seconds";
 pub const LOST: &str = "distlock_lost_total";
 /// Counter: watchdog renewals of one lease, by `outcome` (`renewed`, `lost`, `failed`).
 pub const RENEWALS: &str = "distlock_renewals_total";
-/// Counter: releases that woke a waiter of the same manager directly.
+/// Counter: locks taken by a request that had queued for them.
 pub const HANDOFFS: &str = "distlock_handoffs_total";
 /// Gauge: requests waiting in the manager's queue for a busy lock.
 pub const WAITING: &str = "distlock_waiting";
@@ -69,7 +69,7 @@ pub fn describe() {
         describe_counter!(RENEWALS, "Watchdog renewals of one lease, by outcome.");
         describe_counter!(
             HANDOFFS,
-            "Releases that woke a waiter of the same manager directly."
+            "Locks taken by a request that had queued for them."
         );
         describe_gauge!(WAITING, "Requests waiting for a busy lock.");
     }
@@ -199,11 +199,13 @@ pub(crate) fn renewal(labels: Labels, outcome: Renewal) {
     }
 }
 
-/// A release by this manager woke a local waiter of the same lock.
+/// A request took its lock; `queued` if it had waited in the manager's queue for it.
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn handoff(labels: Labels) {
+pub(crate) fn handed_over(labels: Labels, queued: bool) {
     #[cfg(feature = "metrics")]
-    labelled!(counter, HANDOFFS, labels).increment(1);
+    if queued {
+        labelled!(counter, HANDOFFS, labels).increment(1);
+    }
 }
 
 /// Counts one waiting request while it lives.

@@ -79,8 +79,6 @@ pub(crate) struct KeyState {
     subscribed_in: AtomicU64,
     /// The last word from Redis to a local waiter: the failure, or none after a busy answer.
     last_failure: Mutex<Option<redis::RedisError>>,
-    /// The metric labels of the waiter that opened this state.
-    metrics: crate::metrics::Labels,
 }
 
 #[derive(Debug, Default)]
@@ -159,7 +157,6 @@ impl Waiters {
                     wakes: AtomicU64::new(0),
                     subscribed_in: AtomicU64::new(0),
                     last_failure: Mutex::default(),
-                    metrics,
                 })
             })
             .clone();
@@ -184,7 +181,6 @@ impl Waiters {
         let key = self.shared.lock_keys().get(channel).cloned();
         if let Some(key) = key {
             key.woken();
-            crate::metrics::handoff(key.metrics);
         }
     }
 }
