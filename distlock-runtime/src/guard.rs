@@ -41,6 +41,7 @@ pub(crate) struct Parts {
     pub(crate) min_hold: Option<Duration>,
     pub(crate) renewal: Option<Registration>,
     pub(crate) held: Arc<Held>,
+    pub(crate) metrics: crate::metrics::Labels,
 }
 
 /// Proof that this owner holds a lock. Dropping it releases the lock.
@@ -302,6 +303,8 @@ impl LockGuard {
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
+        let lost = self.is_lost() && !self.given_back_by_shutdown();
+        crate::metrics::hold_ended(self.parts.metrics, self.parts.acquired.sent, lost);
         self.parts.renewal = None;
         if self.unlist() {
             let keep_until = keep_until(&self.parts);

@@ -34,6 +34,7 @@ mod key;
 mod lease;
 mod lock;
 mod manager;
+pub mod metrics;
 mod retry;
 mod scripts;
 mod security;

@@ -102,6 +102,7 @@ struct Plan {
     max_hold: Option<Duration>,
     reentrant: bool,
     min_hold: Option<Duration>,
+    metrics: crate::metrics::Labels,
 }
 
 impl<'m> LockRequest<'m> {
@@ -203,6 +204,14 @@ impl<'m> LockRequest<'m> {
         self
     }
 
+    /// Names this request in metrics and tracing (the `template` label), in place of
+    /// `<manual>`. Give the shape of the key, such as `"order:{id}"`, never the key itself: one
+    /// name per kind of lock keeps the number of series small. Annotated functions pass their
+    /// key template.
+    pub fn label(self, label: &'static str) -> Self {
+        self.template(label)
+    }
+
     #[doc(hidden)]
     /// The key template this request was formatted from, as a low-cardinality tracing label.
     pub fn template(mut self, template: &'static str) -> Self {
@@ -235,16 +244,19 @@ impl<'m> LockRequest<'m> {
         // Boxed: the acquire loop is a large state machine, and callers nest it in their own
         // futures (sibling branches of `join!`, annotated calls inside annotated calls); kept
         // inline it multiplies their size and, in debug builds, their stack use.
+        let (labels, timer) = (plan.metrics, crate::metrics::Timer::start());
         let acquiring = Box::pin(acquire(self.manager, plan, self.record).instrument(span));
-        let guard = tokio::select! {
-            acquired = acquiring => acquired?,
-            () = holds.until_shut_down() => return Err(LockError::ShutDown),
+        let result = tokio::select! {
+            acquired = acquiring => acquired,
+            () = holds.until_shut_down() => Err(LockError::ShutDown),
         };
-        if guard.came_after_shutdown() {
+        let result = match result {
             // Dropping it gives it back.
-            return Err(LockError::ShutDown);
-        }
-        Ok(guard)
+            Ok(guard) if guard.came_after_shutdown() => Err(LockError::ShutDown),
+            result => result,
+        };
+        crate::metrics::acquire_ended(labels, timer, &result);
+        result
     }
 
     /// Makes exactly one attempt: `Ok(None)` when another owner holds the lock (of any kind).
@@ -315,10 +327,11 @@ impl<'m> LockRequest<'m> {
             (None, None) if defaults.wait.is_some() && defaults.retries == 0 => u32::MAX,
             (None, None) => defaults.retries,
         };
+        let template = self.template.unwrap_or("<manual>");
         Ok(Plan {
             kind: self.kind,
             keys,
-            template: self.template.unwrap_or("<manual>"),
+            template,
             ttl,
             retries,
             backoff: Backoff::new(self.retry_delay.unwrap_or(defaults.retry_delay)),
@@ -328,6 +341,7 @@ impl<'m> LockRequest<'m> {
             max_hold: self.max_hold.or(defaults.max_hold),
             reentrant: self.reentrant,
             min_hold: self.min_hold,
+            metrics: crate::metrics::Labels::new(template, self.kind),
         })
     }
 }
@@ -432,7 +446,7 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
     let join = || {
         inner
             .waiters
-            .join(&request.wake, &inner.backend, &inner.driver)
+            .join(&request.wake, &inner.backend, &inner.driver, plan.metrics)
     };
     // Readers and permit holders try first: the waiters ahead may want another kind, while
     // this request may overlap the holders (a free permit, readers inside); queueing it
@@ -460,6 +474,7 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
         }
         let seen = ticket.as_ref().map(Ticket::wakes);
         attempts += 1;
+        crate::metrics::attempt(plan.metrics);
         let sent = Instant::now();
         in_flight.maybe_held = true;
         let attempt = request.clone();
@@ -470,6 +485,7 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
             Ok(Attempt::Held { fence }) => {
                 in_flight.maybe_held = false;
                 drop(in_flight);
+                crate::metrics::handed_over(plan.metrics, ticket.is_some());
                 let acquired = Acquired {
                     attempts,
                     waited: started.elapsed(),
@@ -577,6 +593,7 @@ fn grant(
             lock: request.lock.clone(),
             share: share.clone(),
             token: request.token.clone(),
+            metrics: plan.metrics,
         };
         inner
             .watchdog
@@ -604,6 +621,7 @@ fn grant(
         min_hold: plan.min_hold,
         renewal,
         held,
+        metrics: plan.metrics,
     })
 }
 
