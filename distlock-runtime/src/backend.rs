@@ -24,6 +24,9 @@ use redis::{
 
 use crate::scripts;
 
+mod sets;
+pub(crate) use sets::{SetAttempt, SetKey, SetRequest};
+
 /// The answer to one acquire attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Attempt {
