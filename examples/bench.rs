@@ -1,243 +1,23 @@
 //! Throughput and waiting, measured against a raw client in the same run.
 //!
-//! Run it with `cargo run --release --example bench` (add `-- --quick` for a short run, or
-//! `-- --soak 1000000` to check that a million cycles leave nothing behind). It starts its own
-//! `redis-server` (which must be on `PATH`) and prints one table.
+//! Run it with `cargo run --release --example bench` (add `-- --quick` for a short run,
+//! `-- --reps 5` for medians of five runs of the uncontended rows, `-- --server valkey` or
+//! `-- --server /path/to/valkey-server` to measure another server, or `-- --soak 1000000` to
+//! check that a million cycles leave nothing behind). It starts its own `redis-server` (on
+//! `PATH` unless `--server` or `DISTLOCK_REDIS_SERVER` names another) and prints one table.
+//! The comparison with rslock lives in `bench/compare`, outside the workspace.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use distlock::LockManager;
 use distlock::testing::RedisServer;
-use distlock::{LockError, LockManager, distributed_lock};
-use redis::Script;
-use redis::aio::MultiplexedConnection;
 
-/// The baseline: `SET NX PX` to take, a compare-and-delete script to give back.
-static RAW_RELEASE: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
-    Script::new(
-        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0",
-    )
-});
+#[path = "../bench/harness.rs"]
+mod harness;
 
-#[derive(Clone, Copy)]
-enum Kind {
-    Raw,
-    Manual,
-    Annotated,
-}
-
-#[distributed_lock(key = "{key}", ttl = "10s", manager = locks)]
-async fn annotated(locks: &LockManager, key: &str) -> Result<(), LockError> {
-    let _ = key;
-    Ok(())
-}
-
-async fn uncontended_loop(
-    kind: Kind,
-    locks: LockManager,
-    mut raw: MultiplexedConnection,
-    key: String,
-    stop: Arc<AtomicBool>,
-) -> u64 {
-    let mut pairs = 0;
-    let token = format!("{key}-token");
-    while !stop.load(Ordering::Relaxed) {
-        match kind {
-            Kind::Raw => {
-                let ok: Option<String> = redis::cmd("SET")
-                    .arg(&key)
-                    .arg(&token)
-                    .arg("NX")
-                    .arg("PX")
-                    .arg(10_000)
-                    .query_async(&mut raw)
-                    .await
-                    .unwrap();
-                assert!(ok.is_some());
-                let released: i64 = RAW_RELEASE
-                    .key(&key)
-                    .arg(&token)
-                    .invoke_async(&mut raw)
-                    .await
-                    .unwrap();
-                assert_eq!(released, 1);
-            }
-            Kind::Manual => {
-                let guard = locks
-                    .lock(key.as_str())
-                    .ttl(Duration::from_secs(10))
-                    .acquire()
-                    .await
-                    .unwrap();
-                guard.release().await.unwrap();
-            }
-            Kind::Annotated => annotated(&locks, &key).await.unwrap(),
-        }
-        pairs += 1;
-    }
-    pairs
-}
-
-async fn uncontended(
-    kind: Kind,
-    locks: &LockManager,
-    raw: &MultiplexedConnection,
-    tasks: usize,
-    run: Duration,
-) -> f64 {
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut set = tokio::task::JoinSet::new();
-    for t in 0..tasks {
-        set.spawn(uncontended_loop(
-            kind,
-            locks.clone(),
-            raw.clone(),
-            format!("u:{t}"),
-            stop.clone(),
-        ));
-    }
-    let started = Instant::now();
-    tokio::time::sleep(run).await;
-    stop.store(true, Ordering::Relaxed);
-    let mut pairs = 0;
-    while let Some(n) = set.join_next().await {
-        pairs += n.unwrap();
-    }
-    pairs as f64 / started.elapsed().as_secs_f64()
-}
-
-struct Contended {
-    per_sec: f64,
-    wait_p50: Duration,
-    wait_p99: Duration,
-    handoff_p50: Duration,
-    handoff_p99: Duration,
-    same_holder: f64,
-    commands_per_acquisition: f64,
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
-}
-
-/// Commands sent by clients (scripts count once; the commands they run inside are not
-/// round trips).
-fn total_calls(server: &RedisServer) -> u64 {
-    const CLIENT_COMMANDS: [&str; 7] = [
-        "cmdstat_evalsha:",
-        "cmdstat_eval:",
-        "cmdstat_subscribe:",
-        "cmdstat_unsubscribe:",
-        "cmdstat_ssubscribe:",
-        "cmdstat_sunsubscribe:",
-        "cmdstat_script|load:",
-    ];
-    let info = server.command(&["INFO", "commandstats"]).unwrap();
-    info.lines()
-        .filter(|l| CLIENT_COMMANDS.iter().any(|c| l.starts_with(c)))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
-}
-
-/// `tasks` tasks spread over `managers` managers take one key in turn.
-async fn contended(
-    server: &RedisServer,
-    url: &str,
-    managers: usize,
-    tasks: usize,
-    run: Duration,
-) -> Contended {
-    let epoch = Instant::now();
-    let last_holder = Arc::new(AtomicU64::new(u64::MAX));
-    let release_started = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut set = tokio::task::JoinSet::new();
-    let mut all = Vec::new();
-    for _ in 0..managers {
-        all.push(
-            LockManager::builder()
-                .redis_url(url)
-                .key_prefix("bench:")
-                .build()
-                .await
-                .unwrap(),
-        );
-    }
-    let calls_before = total_calls(server);
-    for t in 0..tasks {
-        let locks = all[t % managers].clone();
-        let (last_holder, release_started, stop) =
-            (last_holder.clone(), release_started.clone(), stop.clone());
-        set.spawn(async move {
-            let (mut waits, mut handoffs, mut same, mut count) =
-                (Vec::new(), Vec::new(), 0u64, 0u64);
-            while !stop.load(Ordering::Relaxed) {
-                let asked = Instant::now();
-                let guard = match locks
-                    .lock("hot")
-                    .ttl(Duration::from_secs(10))
-                    .wait(Duration::from_secs(5))
-                    .retry_delay(Duration::from_millis(1))
-                    .acquire()
-                    .await
-                {
-                    Ok(guard) => guard,
-                    Err(LockError::Busy { .. }) => continue,
-                    Err(e) => panic!("{e}"),
-                };
-                let inside = epoch.elapsed().as_nanos() as u64;
-                waits.push(asked.elapsed());
-                let released_at = release_started.load(Ordering::Acquire);
-                if released_at > 0 {
-                    handoffs.push(Duration::from_nanos(inside.saturating_sub(released_at)));
-                }
-                if last_holder.swap(t as u64, Ordering::AcqRel) == t as u64 {
-                    same += 1;
-                }
-                count += 1;
-                release_started.store(epoch.elapsed().as_nanos() as u64, Ordering::Release);
-                guard.release().await.unwrap();
-            }
-            (waits, handoffs, same, count)
-        });
-    }
-    let started = Instant::now();
-    tokio::time::sleep(run).await;
-    stop.store(true, Ordering::Relaxed);
-    let (mut waits, mut handoffs, mut same, mut count) = (Vec::new(), Vec::new(), 0, 0);
-    while let Some(done) = set.join_next().await {
-        let (w, h, s, c) = done.unwrap();
-        waits.extend(w);
-        handoffs.extend(h);
-        same += s;
-        count += c;
-    }
-    let elapsed = started.elapsed();
-    let calls = total_calls(server) - calls_before;
-
-    waits.sort();
-    handoffs.sort();
-    Contended {
-        per_sec: count as f64 / elapsed.as_secs_f64(),
-        wait_p50: percentile(&waits, 0.5),
-        wait_p99: percentile(&waits, 0.99),
-        handoff_p50: percentile(&handoffs, 0.5),
-        handoff_p99: percentile(&handoffs, 0.99),
-        same_holder: same as f64 / count.max(1) as f64,
-        commands_per_acquisition: calls as f64 / count.max(1) as f64,
-    }
-}
+use harness::{Annotated, Commands, Manual, Raw};
 
 fn used_memory(server: &RedisServer) -> u64 {
     let info = server.command(&["INFO", "memory"]).unwrap();
@@ -312,6 +92,9 @@ async fn soak(cycles: u64) -> Result<(), Box<dyn std::error::Error>> {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
+    if let Some(code) = harness::select_server(&args)? {
+        std::process::exit(code);
+    }
     if let Some(at) = args.iter().position(|a| a == "--soak") {
         let cycles = args
             .get(at + 1)
@@ -319,44 +102,87 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .unwrap_or(1_000_000);
         return soak(cycles).await;
     }
-    let quick = args.iter().any(|a| a == "--quick");
-    let run = if quick {
-        Duration::from_millis(500)
-    } else {
-        Duration::from_secs(3)
-    };
+    let options = harness::Options::parse(&args, 1)?;
+    let run = options.run;
     let server = RedisServer::start()?;
     let url = server.url();
-    let locks = LockManager::builder()
-        .redis_url(&url)
-        .key_prefix("bench:")
-        .build()
-        .await?;
-    let raw = redis::Client::open(url.as_str())?
+    let manager = || async {
+        LockManager::builder()
+            .redis_url(&url)
+            .key_prefix("bench:")
+            .build()
+            .await
+    };
+    let locks = manager().await?;
+    let raw = Raw(redis::Client::open(url.as_str())?
         .get_multiplexed_async_connection()
-        .await?;
+        .await?);
     let memory_before = used_memory(&server);
 
-    println!("distlock bench: redis-server on loopback, {run:?} per row\n");
+    println!(
+        "distlock bench: {} on loopback, {run:?} per row{}\n",
+        harness::server_version(&server),
+        if options.reps > 1 {
+            format!(", medians of {} reps", options.reps)
+        } else {
+            String::new()
+        }
+    );
     println!("uncontended acquire+release pairs/s (distinct keys)");
     println!(
         "{:>6}  {:>12} {:>12} {:>7} {:>12} {:>7}",
         "tasks", "raw", "manual", "ratio", "annotated", "ratio"
     );
     for tasks in [1, 16, 64] {
-        let raw_rate = uncontended(Kind::Raw, &locks, &raw, tasks, run).await;
-        let manual = uncontended(Kind::Manual, &locks, &raw, tasks, run).await;
-        let annotated = uncontended(Kind::Annotated, &locks, &raw, tasks, run).await;
+        let mut rows = Vec::new();
+        for _ in 0..options.reps {
+            let raw_rate = harness::uncontended(&raw, tasks, run).await;
+            let manual = harness::uncontended(&Manual(locks.clone()), tasks, run).await;
+            let annotated = harness::uncontended(&Annotated(locks.clone()), tasks, run).await;
+            rows.push((raw_rate, manual, annotated));
+        }
+        let median =
+            |f: &dyn Fn(&(f64, f64, f64)) -> f64| harness::median(rows.iter().map(f).collect());
         println!(
-            "{tasks:>6}  {raw_rate:>12.0} {manual:>12.0} {:>6.2}x {annotated:>12.0} {:>6.2}x",
-            manual / raw_rate,
-            annotated / raw_rate
+            "{tasks:>6}  {:>12.0} {:>12.0} {:>6.2}x {:>12.0} {:>6.2}x",
+            median(&|r| r.0),
+            median(&|r| r.1),
+            median(&|r| r.1 / r.0),
+            median(&|r| r.2),
+            median(&|r| r.2 / r.0),
+        );
+    }
+
+    let pairs = if options.quick { 200 } else { 2_000 };
+    println!(
+        "\ncommands the server runs per uncontended pair (INFO commandstats over {pairs} pairs, \
+         those inside scripts included)"
+    );
+    let rows: [(&str, Commands); 3] = [
+        (
+            "raw",
+            harness::commands_per_pair(&server, &raw, pairs).await,
+        ),
+        (
+            "manual",
+            harness::commands_per_pair(&server, &Manual(locks.clone()), pairs).await,
+        ),
+        (
+            "annotated",
+            harness::commands_per_pair(&server, &Annotated(locks.clone()), pairs).await,
+        ),
+    ];
+    for (name, commands) in rows {
+        println!(
+            "{name:>10} {:>5}  {}",
+            harness::short(commands.total() as f64 / pairs as f64),
+            commands.per(pairs)
         );
     }
 
     println!("\ncontended: one key");
     println!(
-        "{:>6} {:>8}  {:>10} {:>10} {:>10} {:>11} {:>11} {:>11} {:>9}",
+        "{:>6} {:>8}  {:>10} {:>10} {:>10} {:>11} {:>11} {:>11} {:>10}  share per manager",
         "tasks",
         "managers",
         "entries/s",
@@ -365,28 +191,46 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "handoff p50",
         "handoff p99",
         "same holder",
-        "cmds/acq"
+        "cmds/entry",
     );
-    for (tasks, managers) in [(16, 1), (64, 1), (16, 3), (64, 3)] {
-        let c = contended(&server, &url, managers, tasks, run).await;
+    let mut breakdown = Vec::new();
+    for (tasks, managers) in [(16, 1), (64, 1), (63, 3), (1_000, 1)] {
+        let mut groups = Vec::new();
+        for _ in 0..managers {
+            groups.push(Manual(manager().await?));
+        }
+        // A thousand waiters need a few rounds of the whole queue to reach a steady state.
+        let run = if tasks > 100 {
+            run.max(Duration::from_secs(2))
+        } else {
+            run
+        };
+        let c = harness::contended(&server, &groups, tasks, run).await;
         println!(
-            "{tasks:>6} {managers:>8}  {:>10.0} {:>10.2?} {:>10.2?} {:>11.2?} {:>11.2?} {:>10.1}% {:>9.2}",
+            "{tasks:>6} {managers:>8}  {:>10.0} {:>10.2?} {:>10.2?} {:>11.2?} {:>11.2?} {:>10.1}% {:>10.2}  {}",
             c.per_sec,
             c.wait_p50,
             c.wait_p99,
             c.handoff_p50,
             c.handoff_p99,
             c.same_holder * 100.0,
-            c.commands_per_acquisition
+            c.commands_per_entry(),
+            c.shares()
         );
+        breakdown.push(format!(
+            "{tasks:>6} x {managers}: {}",
+            c.commands.per(c.entries)
+        ));
     }
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg("bench:*")
-        .query_async(&mut raw.clone())
-        .await?;
+    println!("\ncommands per entry (each entry is one hand-off), by command");
+    for line in breakdown {
+        println!("{line}");
+    }
+
+    let (keys, channels) = harness::left_over(&server, "bench:*").await;
     println!(
-        "\nafter all releases: {} lock keys left, server memory {:+} bytes vs. start",
-        keys.len(),
+        "\nafter all releases: {keys} lock keys left, {channels} subscribed channels left, \
+         server memory {:+} bytes vs. start",
         used_memory(&server) as i64 - memory_before as i64
     );
     Ok(())

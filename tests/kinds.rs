@@ -185,9 +185,17 @@ async fn nested(kind: Kind, outer_first: bool, test: &str) {
         let locks = locks.clone();
         // A spawned task is another owner.
         async move {
-            tokio::spawn(async move { try_take(&locks, kind, "k").await.is_some() })
-                .await
-                .unwrap()
+            tokio::spawn(async move {
+                match try_take(&locks, kind, "k").await {
+                    Some(guard) => {
+                        guard.release().await.unwrap();
+                        true
+                    }
+                    None => false,
+                }
+            })
+            .await
+            .unwrap()
         }
     };
     distlock::scope(async {

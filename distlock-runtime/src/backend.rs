@@ -1040,6 +1040,13 @@ impl Backend {
         self.first().pubsub().await
     }
 
+    /// Whether the client may send a request again by itself after a lost reply (the Cluster
+    /// client does, and its retries cannot be told apart from redirections): a release that
+    /// then finds its hold gone may be its own first send's doing.
+    pub(crate) fn resends_by_itself(&self) -> bool {
+        self.single().is_some_and(Node::is_cluster)
+    }
+
     /// Whether this backend spreads each lock over independent masters.
     pub(crate) fn is_redlock(&self) -> bool {
         self.nodes.len() > 1

@@ -128,6 +128,11 @@ pub enum LockError {
     /// The manager's background driver has stopped, so nothing can reach Redis through it.
     #[error("the lock manager's background driver has stopped")]
     DriverStopped,
+
+    /// [`LockManager::shutdown`](crate::LockManager::shutdown) was called: the manager
+    /// released what it held and takes no more locks.
+    #[error("the lock manager was shut down: it takes no more locks")]
+    ShutDown,
 }
 
 impl LockError {

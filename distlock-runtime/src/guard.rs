@@ -1,17 +1,21 @@
 //! `LockGuard`: proof of holding a lock, and the way to give it back.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Waker};
 use std::time::{Duration, Instant};
+
+use tokio::sync::{oneshot, watch};
 
 use crate::LockError;
 use crate::backend::HoldIds;
 use crate::context::Held;
 use crate::key::Keys;
-use crate::lease::LeaseState;
-use crate::manager::LockManager;
+use crate::lease::{LeaseState, saturating_add};
+use crate::lock::check_ttl;
+use crate::manager::{Inner, LockManager};
 use crate::watchdog::Registration;
 
 /// How an acquisition went: attempts made and time spent before the lock was held.
@@ -42,20 +46,62 @@ pub(crate) struct Parts {
 /// Proof that this owner holds a lock. Dropping it releases the lock.
 ///
 /// Prefer [`release`](Self::release): it waits for Redis to confirm, so the next waiter can
-/// enter at once, and reports a lease that was lost. Dropping the guard (on panic or when the
-/// future holding it is cancelled) hands the release to the manager's background runtime
-/// instead; if that fails, the lease simply expires.
+/// enter at once, and reports a lease that was lost. Dropping the guard (on panic, when the
+/// future holding it is cancelled, or when its runtime shuts down) hands the release to the
+/// manager's background runtime instead; if that fails, the lease simply expires.
+/// [`LockManager::shutdown`] gives back every guard of the manager; dropping such a guard
+/// then does nothing.
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct LockGuard {
     parts: Parts,
-    released: bool,
+    hold: Hold,
+}
+
+/// Where a guard's hold stands with its manager.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    /// Listed with the manager under this id, so that shutdown can give it back.
+    Listed(u64),
+    /// Granted while the manager shut down: not listed, still to be given back.
+    Unlisted,
+    /// Given back, or handed to shutdown.
+    Done,
 }
 
 impl LockGuard {
     pub(crate) fn new(parts: Parts) -> Self {
-        Self {
-            parts,
-            released: false,
+        let live = Live {
+            ids: ids_of(&parts),
+            keep_until: keep_until(&parts),
+            lease: parts.lease.clone(),
+        };
+        let hold = match parts.manager.inner.holds.list(live) {
+            Some(id) => Hold::Listed(id),
+            None => Hold::Unlisted,
+        };
+        Self { parts, hold }
+    }
+
+    /// Whether the manager shut down before this guard could be listed with it.
+    pub(crate) fn came_after_shutdown(&self) -> bool {
+        self.hold == Hold::Unlisted
+    }
+
+    /// Whether [`LockManager::shutdown`] gave this hold back.
+    fn given_back_by_shutdown(&self) -> bool {
+        match self.hold {
+            Hold::Listed(id) => !self.parts.manager.inner.holds.is_listed(id),
+            Hold::Unlisted | Hold::Done => false,
+        }
+    }
+
+    /// Takes the hold off the manager's list: `true` when giving it back is up to the caller,
+    /// `false` when it was already given back (by shutdown, or before).
+    fn unlist(&mut self) -> bool {
+        match std::mem::replace(&mut self.hold, Hold::Done) {
+            Hold::Listed(id) => self.parts.manager.inner.holds.unlist(id),
+            Hold::Unlisted => true,
+            Hold::Done => false,
         }
     }
 
@@ -108,7 +154,8 @@ impl LockGuard {
         self.parts.lease.is_lost()
     }
 
-    /// Completes when the lease is lost, with the [`LockError::Lost`] to report.
+    /// Completes when the lease is lost, with the [`LockError::Lost`] to report
+    /// ([`LockError::ShutDown`] when [`LockManager::shutdown`] gave the lock back).
     ///
     /// With the watchdog on, that is when a renewal finds the lock gone or taken, or when
     /// renewals have failed until the local deadline; without it, when the lease runs out.
@@ -154,14 +201,16 @@ impl LockGuard {
             .map_err(|e| LockError::redis(self.key(), e))
     }
 
-    /// Sets the lease to `ttl` from now, if this owner still holds the lock; otherwise
-    /// [`LockError::Lost`], and nothing is changed.
+    /// Makes the lease last at least `ttl` from now, if this owner still holds the lock;
+    /// otherwise [`LockError::Lost`], and nothing is changed.
+    ///
+    /// Extending never shortens a lease, in Redis or in [`remaining`](Self::remaining): a
+    /// `ttl` shorter than what is left changes nothing. To give the lock back early, release
+    /// it. `ttl` must be at least 1 ms and at most [`MAX_TTL`](crate::MAX_TTL).
     pub async fn extend(&self, ttl: Duration) -> Result<(), LockError> {
-        if ttl < Duration::from_millis(1) {
-            return Err(LockError::invalid(
-                "ttl",
-                format!("a lease must be at least 1ms, got {ttl:?}"),
-            ));
+        check_ttl(ttl).map_err(|reason| LockError::invalid("ttl", format!("a lease {reason}")))?;
+        if self.given_back_by_shutdown() {
+            return Err(LockError::ShutDown);
         }
         let (lock, token) = (self.parts.keys.lock.clone(), self.parts.token.clone());
         let share = self.parts.share.clone();
@@ -175,11 +224,11 @@ impl LockGuard {
             })
             .await?
             .map_err(|e| LockError::redis(self.key(), e))?;
-        if !extended {
+        // An answer after the local deadline finds the lease already lost.
+        if !extended || !self.parts.lease.renewed(sent, ttl) {
             self.parts.lease.mark_lost();
             return Err(self.lost_error());
         }
-        self.parts.lease.renewed(sent, ttl);
         Ok(())
     }
 
@@ -190,25 +239,40 @@ impl LockGuard {
     /// sent once more; if that second attempt finds the lock gone while the lease was still
     /// valid, it counts as released.
     /// With `min_hold`, the key stays (owned by nobody) until `min_hold` after the acquisition.
+    ///
+    /// If this future is dropped before Redis answers, the release is still sent, from the
+    /// manager's background runtime. After [`LockManager::shutdown`] gave the lock back, this
+    /// returns [`LockError::ShutDown`].
     pub async fn release(mut self) -> Result<(), LockError> {
-        self.released = true;
         self.parts.renewal = None;
+        if !self.unlist() {
+            return Err(LockError::ShutDown);
+        }
         let inner = &self.parts.manager.inner;
-        let keep = self.keep();
+        let keep_until = keep_until(&self.parts);
+        // Sends the release again from the background if this future is dropped midway.
+        let mut unanswered = Unanswered(Some((inner.clone(), self.ids(), keep_until)));
         let mut retried = false;
-        loop {
+        let outcome = loop {
             let ids = self.ids();
+            let keep = keep_from(keep_until);
             let outcome = inner
                 .exec(move |backend| async move { backend.release(&ids, keep).await })
                 .await?;
-            return match outcome {
+            break match outcome {
                 Ok(true) => {
                     inner.waiters.released(&self.parts.keys.companion("wake"));
                     tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "released");
                     Ok(())
                 }
-                // The first attempt may have released it before its reply was lost.
-                Ok(false) if retried && !self.parts.lease.is_lost() => Ok(()),
+                // The first attempt may have released it before its reply was lost (ours, or
+                // one the client resent by itself).
+                Ok(false)
+                    if (retried || inner.backend.resends_by_itself())
+                        && !self.parts.lease.is_lost() =>
+                {
+                    Ok(())
+                }
                 Ok(false) => {
                     self.parts.lease.mark_lost();
                     Err(self.lost_error())
@@ -219,28 +283,19 @@ impl LockGuard {
                 }
                 Err(error) => Err(LockError::redis(self.key(), error)),
             };
-        }
-    }
-
-    /// How much longer the key must live after release (min_hold), from the acquisition.
-    fn keep(&self) -> Duration {
-        self.parts.min_hold.map_or(Duration::ZERO, |min| {
-            (self.parts.acquired.sent + min).saturating_duration_since(Instant::now())
-        })
+        };
+        unanswered.0 = None;
+        outcome
     }
 
     fn ids(&self) -> HoldIds {
-        let p = &self.parts;
-        HoldIds {
-            lock: p.keys.lock.clone(),
-            wake: p.keys.companion("wake"),
-            token: p.token.clone(),
-            hold: p.hold.clone(),
-            share: p.share.clone(),
-        }
+        ids_of(&self.parts)
     }
 
     fn lost_error(&self) -> LockError {
+        if self.given_back_by_shutdown() {
+            return LockError::ShutDown;
+        }
         LockError::Lost {
             key: self.parts.keys.name.clone(),
         }
@@ -253,9 +308,44 @@ impl LockGuard {
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
-        if !self.released {
-            self.parts.renewal = None;
-            release_in_background(&self.parts.manager, self.ids(), self.keep());
+        self.parts.renewal = None;
+        if self.unlist() {
+            let keep_until = keep_until(&self.parts);
+            release_in_background(&self.parts.manager.inner, self.ids(), keep_until);
+        }
+    }
+}
+
+fn ids_of(p: &Parts) -> HoldIds {
+    HoldIds {
+        lock: p.keys.lock.clone(),
+        wake: p.keys.companion("wake"),
+        token: p.token.clone(),
+        hold: p.hold.clone(),
+        share: p.share.clone(),
+    }
+}
+
+/// Until when the key must live after release (min_hold), counted from the acquisition.
+fn keep_until(p: &Parts) -> Option<Instant> {
+    p.min_hold.map(|min| saturating_add(p.acquired.sent, min))
+}
+
+/// How much longer the key must live after a release sent now.
+fn keep_from(until: Option<Instant>) -> Duration {
+    until.map_or(Duration::ZERO, |until| {
+        until.saturating_duration_since(Instant::now())
+    })
+}
+
+/// A release sent but not yet answered; dropped armed, it sends the release again from the
+/// manager's runtime (a release is idempotent per hold id).
+struct Unanswered(Option<(Arc<Inner>, HoldIds, Option<Instant>)>);
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some((inner, ids, keep_until)) = self.0.take() {
+            release_in_background(&inner, ids, keep_until);
         }
     }
 }
@@ -272,37 +362,144 @@ impl fmt::Debug for LockGuard {
     }
 }
 
-/// Sends a release for one hold without waiting for it; the outcome is only logged.
+/// Sends a release for one hold from the manager's own runtime, without waiting for it; the
+/// outcome is only logged. That runtime outlives the caller's, so this works while the
+/// caller's runtime shuts down, and outside any runtime.
+pub(crate) fn release_in_background(inner: &Arc<Inner>, ids: HoldIds, keep_until: Option<Instant>) {
+    let task = release_logged(inner.clone(), ids, keep_until);
+    inner.driver.spawn(task);
+}
+
+/// Releases what an acquire whose caller gave up may have taken.
 ///
-/// In a tokio runtime, the request is handed to that runtime's connection before this returns,
-/// so it goes out right behind any request of the same owner already on that connection (an
-/// acquire whose caller gave up). Outside any runtime, the manager's own runtime sends it.
-pub(crate) fn release_in_background(manager: &LockManager, ids: HoldIds, keep: Duration) {
-    let inner = manager.inner.clone();
-    let release = async move {
-        match inner.backend.release(&ids, keep).await {
-            Ok(true) => {
-                inner.waiters.released(&ids.wake);
-                tracing::debug!(lock = %ids.lock, "released in the background");
+/// In a tokio runtime, the release is queued on that runtime's connection before this
+/// returns, right behind the acquire, so it cannot overtake it. If that runtime goes away (or
+/// the connection fails) before the answer, the manager's runtime sends it once more.
+pub(crate) fn release_behind_acquire(inner: &Arc<Inner>, ids: HoldIds) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return release_in_background(inner, ids, None);
+    };
+    let (answered, answer) = oneshot::channel();
+    let here = {
+        let (inner, ids) = (inner.clone(), ids.clone());
+        async move {
+            if let Ok(released) = inner.backend.release(&ids, Duration::ZERO).await {
+                if released {
+                    inner.waiters.released(&ids.wake);
+                }
+                let _ = answered.send(());
             }
-            Ok(false) => {
-                tracing::debug!(lock = %ids.lock, "background release found the lock already gone");
-            }
-            Err(error) => tracing::warn!(
-                lock = %ids.lock, %error,
-                "background release failed; the lease will expire"
-            ),
         }
     };
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => {
-            // One poll queues the request on the connection; the task finishes the rest.
-            let mut release = Box::pin(release);
-            let mut cx = Context::from_waker(Waker::noop());
-            if release.as_mut().poll(&mut cx).is_pending() {
-                drop(runtime.spawn(release));
+    // One poll queues the request on the connection; the task finishes the rest.
+    let mut here = Box::pin(here);
+    let mut cx = Context::from_waker(Waker::noop());
+    if here.as_mut().poll(&mut cx).is_pending() {
+        drop(runtime.spawn(here));
+    }
+    let fallback = {
+        let inner = inner.clone();
+        async move {
+            if answer.await.is_err() {
+                release_logged(inner, ids, None).await;
             }
         }
-        Err(_) => manager.inner.driver.spawn(release),
+    };
+    inner.driver.spawn(fallback);
+}
+
+async fn release_logged(inner: Arc<Inner>, ids: HoldIds, keep_until: Option<Instant>) {
+    match inner.backend.release(&ids, keep_from(keep_until)).await {
+        Ok(true) => {
+            inner.waiters.released(&ids.wake);
+            tracing::debug!(lock = %ids.lock, "released in the background");
+        }
+        Ok(false) => {
+            tracing::debug!(lock = %ids.lock, "background release found the lock already gone");
+        }
+        Err(error) => tracing::warn!(
+            lock = %ids.lock, %error,
+            "background release failed; the lease will expire"
+        ),
+    }
+}
+
+/// A hold as the manager lists it, for [`LockManager::shutdown`].
+#[derive(Debug)]
+pub(crate) struct Live {
+    ids: HoldIds,
+    keep_until: Option<Instant>,
+    lease: Arc<LeaseState>,
+}
+
+/// Every hold of one manager that is still to be given back, and whether it shut down.
+#[derive(Debug, Default)]
+pub(crate) struct Holds {
+    listed: Mutex<Listed>,
+    shut_down: watch::Sender<bool>,
+}
+
+#[derive(Debug, Default)]
+struct Listed {
+    by_id: HashMap<u64, Live>,
+    next_id: u64,
+}
+
+impl Holds {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Listed> {
+        self.listed.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Lists a new hold; `None` once the manager has shut down.
+    fn list(&self, live: Live) -> Option<u64> {
+        let mut listed = self.lock();
+        if self.is_shut_down() {
+            return None;
+        }
+        let id = listed.next_id;
+        listed.next_id += 1;
+        listed.by_id.insert(id, live);
+        Some(id)
+    }
+
+    /// Takes a hold off the list; `false` when shutdown took it first.
+    fn unlist(&self, id: u64) -> bool {
+        self.lock().by_id.remove(&id).is_some()
+    }
+
+    fn is_listed(&self, id: u64) -> bool {
+        self.lock().by_id.contains_key(&id)
+    }
+
+    /// Whether [`LockManager::shutdown`] was called.
+    pub(crate) fn is_shut_down(&self) -> bool {
+        *self.shut_down.borrow()
+    }
+
+    /// Completes once the manager has shut down.
+    pub(crate) async fn until_shut_down(&self) {
+        let mut shut_down = self.shut_down.subscribe();
+        let _ = shut_down.wait_for(|down| *down).await;
+    }
+
+    /// Marks the manager shut down and gives back every listed hold, marking its lease lost;
+    /// does nothing the second time.
+    pub(crate) async fn shut_down(&self, inner: &Arc<Inner>) {
+        let live: Vec<Live> = {
+            let mut listed = self.lock();
+            if self.shut_down.send_replace(true) {
+                return;
+            }
+            listed.by_id.drain().map(|(_, live)| live).collect()
+        };
+        for hold in &live {
+            hold.lease.mark_lost();
+        }
+        let releases = live.into_iter().map(|hold| {
+            let inner = inner.clone();
+            let release = release_logged(inner.clone(), hold.ids, hold.keep_until);
+            async move { inner.driver.run(release).await }
+        });
+        futures_util::future::join_all(releases).await;
     }
 }

@@ -35,14 +35,28 @@ impl LeaseState {
         *self.times.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The server confirmed a lease of `ttl` from a request sent at `sent`.
-    pub(crate) fn renewed(&self, sent: Instant, ttl: Duration) {
+    /// The server confirmed a lease of `ttl` from a request sent at `sent`. The deadline only
+    /// moves forward. Lost is final: an answer that arrives once the deadline has passed
+    /// marks the lease lost instead, since `is_lost` may already have said so. Returns whether
+    /// the lease is still valid.
+    pub(crate) fn renewed(&self, sent: Instant, ttl: Duration) -> bool {
         if self.is_marked_lost() {
-            return;
+            return false;
         }
         let mut times = self.times.lock().unwrap_or_else(|e| e.into_inner());
-        times.ttl = ttl;
-        times.valid_until = times.valid_until.max(deadline(sent, ttl));
+        if Instant::now() >= times.valid_until {
+            drop(times);
+            self.mark_lost();
+            return false;
+        }
+        let until = deadline(sent, ttl);
+        if until > times.valid_until {
+            *times = Times {
+                ttl,
+                valid_until: until,
+            };
+        }
+        true
     }
 
     /// The lease length last granted.
@@ -85,8 +99,20 @@ impl LeaseState {
 }
 
 fn deadline(sent: Instant, ttl: Duration) -> Instant {
-    let drift = ttl / 100 + Duration::from_millis(2);
-    sent + ttl.saturating_sub(drift)
+    let drift = (ttl / 100).saturating_add(Duration::from_millis(2));
+    saturating_add(sent, ttl.saturating_sub(drift))
+}
+
+/// `at + by`, or the latest instant the clock can count past `at` when that overflows: a
+/// time that far away never comes anyway.
+pub(crate) fn saturating_add(at: Instant, by: Duration) -> Instant {
+    let mut by = by;
+    loop {
+        if let Some(later) = at.checked_add(by) {
+            return later;
+        }
+        by /= 2;
+    }
 }
 
 #[cfg(test)]
@@ -118,5 +144,38 @@ mod tests {
         let lease = LeaseState::new(sent, Duration::from_secs(10));
         lease.renewed(sent - Duration::from_secs(5), Duration::from_secs(10));
         assert_eq!(lease.valid_until(), sent + Duration::from_millis(9_898));
+    }
+
+    #[test]
+    fn a_reply_after_the_deadline_does_not_revive_the_lease() {
+        // Sent before the deadline, answered after it: the lease was already lost here.
+        let acquired = Instant::now() - Duration::from_secs(11);
+        let lease = LeaseState::new(acquired, Duration::from_secs(10));
+        let receiver = lease.subscribe();
+        assert!(lease.is_lost());
+        lease.renewed(acquired + Duration::from_secs(9), Duration::from_secs(10));
+        assert!(lease.is_lost(), "a late renewal revived a lost lease");
+        assert!(
+            *receiver.borrow(),
+            "a late renewal must mark the lease lost"
+        );
+        assert_eq!(lease.remaining(), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_shorter_lease_never_moves_the_deadline_back() {
+        let sent = Instant::now();
+        let lease = LeaseState::new(sent, Duration::from_secs(30));
+        let before = lease.valid_until();
+        lease.renewed(sent, Duration::from_secs(1));
+        assert_eq!(lease.valid_until(), before);
+        assert_eq!(lease.ttl(), Duration::from_secs(30));
+    }
+
+    #[test]
+    fn huge_leases_do_not_overflow() {
+        let lease = LeaseState::new(Instant::now(), Duration::MAX);
+        lease.renewed(Instant::now(), Duration::MAX);
+        assert!(!lease.is_lost());
     }
 }

@@ -49,6 +49,6 @@ pub use context::scope;
 pub use error::LockError;
 pub use guard::LockGuard;
 pub use key::MAX_KEY_LEN;
-pub use lock::LockRequest;
+pub use lock::{LockRequest, MAX_TTL};
 pub use manager::{LockManager, LockManagerBuilder, Stats};
 pub use multi::{MultiGuard, MultiLockRequest};

@@ -17,6 +17,24 @@ use crate::retry::Backoff;
 use crate::waiters::Ticket;
 use crate::watchdog::Target;
 
+/// The longest lease a request or [`LockGuard::extend`] accepts: about 100 years, far below
+/// what Redis can store (a millisecond count that must not overflow when added to the
+/// server's clock).
+pub const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
+/// Checks a lease length: `Err` says why it is refused.
+pub(crate) fn check_ttl(ttl: Duration) -> Result<(), String> {
+    if ttl < Duration::from_millis(1) {
+        Err(format!("must be at least 1ms, got {ttl:?}"))
+    } else if ttl > MAX_TTL {
+        Err(format!(
+            "must be at most MAX_TTL ({MAX_TTL:?}), got {ttl:?}"
+        ))
+    } else {
+        Ok(())
+    }
+}
+
 /// A request for one lock, built by [`LockManager::lock`]; send it with
 /// [`acquire`](Self::acquire) or [`try_acquire`](Self::try_acquire).
 ///
@@ -114,7 +132,7 @@ impl<'m> LockRequest<'m> {
     }
 
     /// The lease: how long the lock stays held if its holder stops renewing or releasing it.
-    /// Must be at least 1 ms.
+    /// Must be at least 1 ms and at most [`MAX_TTL`].
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = Some(ttl);
         self
@@ -126,14 +144,16 @@ impl<'m> LockRequest<'m> {
         self
     }
 
-    /// The base delay between attempts; it doubles per attempt (up to 32×) with full jitter.
+    /// The base delay between attempts; it doubles per attempt (up to 32×, and at most
+    /// [`MAX_TTL`]) with full jitter.
     pub fn retry_delay(mut self, delay: Duration) -> Self {
         self.retry_delay = Some(delay);
         self
     }
 
     /// An upper bound on the total time spent trying. Without `retries`, the request keeps
-    /// trying until this much time has passed; with both, whichever ends first.
+    /// trying until this much time has passed; with both, whichever ends first. A wait longer
+    /// than [`MAX_TTL`] (such as `Duration::MAX`) sets no time bound.
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = Some(wait);
         self
@@ -158,6 +178,7 @@ impl<'m> LockRequest<'m> {
 
     /// With `watchdog`: stop renewing after this long, whatever the holder does, so a body
     /// that never finishes cannot hold the lock forever. Default: the manager's (1 hour).
+    /// `Duration::MAX` renews for as long as the guard lives.
     pub fn max_hold(mut self, max_hold: Duration) -> Self {
         self.max_hold = Some(max_hold);
         self
@@ -176,7 +197,7 @@ impl<'m> LockRequest<'m> {
     /// Keep the key at least this long after the acquisition, even when released sooner:
     /// release leaves it to expire at acquisition + `min_hold` (owned by nobody) instead of
     /// deleting it. For scheduled jobs that must run at most once per period across nodes
-    /// whose clocks differ.
+    /// whose clocks differ. It must not be longer than the lease.
     pub fn min_hold(mut self, min_hold: Duration) -> Self {
         self.min_hold = Some(min_hold);
         self
@@ -198,16 +219,32 @@ impl<'m> LockRequest<'m> {
     /// [`LockError::PermitsMismatch`] at once, without retrying, for a semaphore in use with
     /// another number of permits.
     ///
+    /// [`LockError::ShutDown`] once [`LockManager::shutdown`] was called, also for a request
+    /// that was waiting then.
+    ///
     /// Cancel-safe: if this future is dropped while an attempt is in flight, a release for
     /// that attempt's token is sent right behind it, so no lock is left behind.
     pub async fn acquire(self) -> Result<LockGuard, LockError> {
         let plan = self.plan()?;
+        let holds = &self.manager.inner.holds;
+        if holds.is_shut_down() {
+            return Err(LockError::ShutDown);
+        }
         let span =
             tracing::debug_span!("lock.acquire", template = plan.template, key = %plan.keys.name);
         // Boxed: the acquire loop is a large state machine, and callers nest it in their own
         // futures (sibling branches of `join!`, annotated calls inside annotated calls); kept
         // inline it multiplies their size and, in debug builds, their stack use.
-        Box::pin(acquire(self.manager, plan, self.record).instrument(span)).await
+        let acquiring = Box::pin(acquire(self.manager, plan, self.record).instrument(span));
+        let guard = tokio::select! {
+            acquired = acquiring => acquired?,
+            () = holds.until_shut_down() => return Err(LockError::ShutDown),
+        };
+        if guard.came_after_shutdown() {
+            // Dropping it gives it back.
+            return Err(LockError::ShutDown);
+        }
+        Ok(guard)
     }
 
     /// Makes exactly one attempt: `Ok(None)` when another owner holds the lock (of any kind).
@@ -224,15 +261,9 @@ impl<'m> LockRequest<'m> {
         let defaults = self.manager.defaults();
         let keys = Keys::new(&self.manager.inner.prefix, self.key.clone())?;
         let ttl = self.ttl.unwrap_or(defaults.ttl);
-        if ttl < Duration::from_millis(1) {
-            return Err(LockError::invalid(
-                "ttl",
-                format!(
-                    "the lease of `{}` must be at least 1ms, got {ttl:?}",
-                    keys.name
-                ),
-            ));
-        }
+        check_ttl(ttl).map_err(|reason| {
+            LockError::invalid("ttl", format!("the lease of `{}` {reason}", keys.name))
+        })?;
         if self.manager.inner.backend.is_redlock() {
             if self.fencing {
                 return Err(LockError::invalid(
@@ -261,6 +292,12 @@ impl<'m> LockRequest<'m> {
                 "`min_hold` applies to exclusive and write locks, not to read locks or permits",
             ));
         }
+        if let Some(min_hold) = self.min_hold.filter(|min_hold| *min_hold > ttl) {
+            return Err(LockError::invalid(
+                "min_hold",
+                format!("`min_hold` ({min_hold:?}) must not be longer than the lease ({ttl:?})"),
+            ));
+        }
         for (what, value) in [("max_hold", self.max_hold), ("min_hold", self.min_hold)] {
             if value.is_some_and(|v| v.is_zero()) {
                 return Err(LockError::invalid(
@@ -269,7 +306,8 @@ impl<'m> LockRequest<'m> {
                 ));
             }
         }
-        let wait = self.wait.or(defaults.wait);
+        // Longer than any lease: no time bound at all.
+        let wait = self.wait.or(defaults.wait).filter(|wait| *wait <= MAX_TTL);
         // With only a time bound, keep trying until it runs out.
         let retries = match (self.retries, self.wait) {
             (Some(retries), _) => retries,
@@ -629,7 +667,7 @@ impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         if self.maybe_held {
             let ids = self.request.hold_ids();
-            crate::guard::release_in_background(self.manager, ids, Duration::ZERO);
+            crate::guard::release_behind_acquire(&self.manager.inner, ids);
         }
     }
 }

@@ -8,8 +8,9 @@ use std::time::Duration;
 use crate::LockError;
 use crate::backend::{Backend, ConnectOptions};
 use crate::driver::Driver;
+use crate::guard::Holds;
 use crate::key;
-use crate::lock::{LockRequest, RequestKind};
+use crate::lock::{LockRequest, MAX_TTL, RequestKind, check_ttl};
 use crate::waiters::Waiters;
 use crate::watchdog::Watchdog;
 
@@ -25,7 +26,9 @@ static INSTALLED: OnceLock<LockManager> = OnceLock::new();
 /// runtime, not only the one that built it; the runtime needs its timer enabled, as
 /// `#[tokio::main]` and `#[tokio::test]` do), and owns one background thread for the lease
 /// watchdog, the pub/sub connection that wakes waiters, and releases made outside any runtime.
-/// The thread stops when the last clone (and the last guard) is dropped.
+/// The thread stops when the last clone (and the last guard) is dropped. Guards dropped while
+/// their own runtime shuts down are released from that thread, and
+/// [`shutdown`](Self::shutdown) gives back everything the manager holds.
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), distlock_runtime::LockError> {
@@ -56,6 +59,7 @@ pub(crate) struct Inner {
     pub(crate) driver: Arc<Driver>,
     pub(crate) watchdog: Watchdog,
     pub(crate) waiters: Waiters,
+    pub(crate) holds: Holds,
     pub(crate) prefix: String,
     pub(crate) defaults: Defaults,
     target: String,
@@ -83,6 +87,8 @@ pub struct Stats {
     pub leases_lost: u64,
     /// Keys that have local waiters right now (each with a pub/sub subscription).
     pub waiting_keys: usize,
+    /// Leases the watchdog renews right now (0 once every watched guard is gone).
+    pub watched_leases: usize,
 }
 
 impl LockManager {
@@ -166,7 +172,33 @@ impl LockManager {
             leases_renewed: counters.renewed.load(Ordering::Relaxed),
             leases_lost: counters.lost.load(Ordering::Relaxed),
             waiting_keys: self.inner.waiters.waiting_keys(),
+            watched_leases: self.inner.watchdog.watched(),
         }
+    }
+
+    /// Gives back every lock this manager holds and stops taking new ones: for a clean exit
+    /// (on SIGTERM, say) that frees the keys for other processes at once instead of leaving
+    /// them to their leases.
+    ///
+    /// Every live guard of this manager and its clones is released (a `min_hold` is kept),
+    /// and its lease is marked lost first, so [`LockGuard::lost`](crate::LockGuard::lost) completes with
+    /// [`LockError::ShutDown`] and `#[distributed_lock]` bodies with `on_lost = "abort"` stop.
+    /// The watchdog stops renewing, the pub/sub connection that wakes waiters is closed,
+    /// waiting requests end with [`LockError::ShutDown`], and so does every later request.
+    /// [`LockGuard::release`](crate::LockGuard::release) of a guard given back this way returns
+    /// [`LockError::ShutDown`]; dropping it does nothing.
+    ///
+    /// Returns once Redis has answered every release (a failed one is logged and left to its
+    /// lease). Calling it again does nothing. It works from any runtime, and outside one.
+    pub async fn shutdown(&self) {
+        let inner = &self.inner;
+        if inner.holds.is_shut_down() {
+            return;
+        }
+        inner.holds.shut_down(inner).await;
+        inner.watchdog.stop();
+        let _ = inner.driver.run(inner.waiters.close()).await;
+        tracing::debug!(target = %inner.target, "lock manager shut down");
     }
 
     pub(crate) fn defaults(&self) -> &Defaults {
@@ -348,7 +380,8 @@ impl LockManagerBuilder {
         self
     }
 
-    /// The lease of a lock whose request sets no `ttl` (default 30 s).
+    /// The lease of a lock whose request sets no `ttl` (default 30 s); at most
+    /// [`MAX_TTL`](crate::MAX_TTL).
     pub fn default_ttl(mut self, ttl: Duration) -> Self {
         self.defaults.ttl = ttl;
         self
@@ -367,14 +400,16 @@ impl LockManagerBuilder {
     }
 
     /// The total time a request that sets no `wait` may spend waiting (default: unbounded by
-    /// time, bounded by the number of retries).
+    /// time, bounded by the number of retries). Longer than [`MAX_TTL`](crate::MAX_TTL)
+    /// means no time bound.
     pub fn default_wait(mut self, wait: Duration) -> Self {
         self.defaults.wait = Some(wait);
         self
     }
 
     /// How long the watchdog keeps renewing a lease whose request sets no `max_hold`
-    /// (default 1 hour). `None` renews for as long as the guard lives.
+    /// (default 1 hour). `None` (or `Some(Duration::MAX)`) renews for as long as the guard
+    /// lives.
     pub fn default_max_hold(mut self, max_hold: Option<Duration>) -> Self {
         self.defaults.max_hold = max_hold;
         self
@@ -435,11 +470,14 @@ impl LockManagerBuilder {
             .collect::<Vec<_>>()
             .join(", ");
         let driver = Driver::start()?;
+        // Longer than any lease is as good as forever, and still fits on a clock.
         let options = ConnectOptions {
-            connect_timeout: self.connect_timeout,
-            response_timeout: self.response_timeout,
-            sync_replicas: self.sync_replicas,
-            restart_delay: self.restart_delay.unwrap_or(self.defaults.ttl),
+            connect_timeout: self.connect_timeout.min(MAX_TTL),
+            response_timeout: self.response_timeout.min(MAX_TTL),
+            sync_replicas: self
+                .sync_replicas
+                .map(|(replicas, timeout)| (replicas, timeout.min(MAX_TTL))),
+            restart_delay: self.restart_delay.unwrap_or(self.defaults.ttl).min(MAX_TTL),
         };
         // Connect from the caller's runtime, which is where its requests will come from.
         if self.cluster && self.sync_replicas.is_some() {
@@ -469,6 +507,7 @@ impl LockManagerBuilder {
                 driver: Arc::new(driver),
                 watchdog: Watchdog::default(),
                 waiters: Waiters::new(options.connect_timeout, options.response_timeout),
+                holds: Holds::default(),
                 prefix: self.prefix,
                 defaults: self.defaults,
                 target,
@@ -478,8 +517,9 @@ impl LockManagerBuilder {
 
     fn check(&self) -> Result<(), LockError> {
         key::validate_prefix(&self.prefix)?;
+        check_ttl(self.defaults.ttl)
+            .map_err(|reason| LockError::Config(format!("`default_ttl` {reason}")))?;
         let positive = [
-            ("default_ttl", self.defaults.ttl),
             ("connect_timeout", self.connect_timeout),
             ("response_timeout", self.response_timeout),
         ];

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::lock::MAX_TTL;
+
 /// Backoff for one request: attempt `n` waits a random time in `[0, min(cap, base·2ⁿ⁻¹)]`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Backoff {
@@ -10,11 +12,13 @@ pub(crate) struct Backoff {
 }
 
 impl Backoff {
-    /// The delays start from `base` and grow to at most 32 × `base`.
+    /// The delays start from `base` and grow to at most 32 × `base`, and never beyond
+    /// [`MAX_TTL`]: a longer delay could not be added to a clock, and no lease outlasts it.
     pub(crate) fn new(base: Duration) -> Self {
+        let base = base.min(MAX_TTL);
         Self {
             base,
-            cap: base.saturating_mul(32),
+            cap: base.saturating_mul(32).min(MAX_TTL),
         }
     }
 
@@ -31,7 +35,7 @@ impl Backoff {
         let nanos = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
         let jittered = Duration::from_nanos(fastrand::u64(0..=nanos));
         match holder_ttl {
-            Some(ttl) => jittered.min(ttl + Duration::from_millis(1)),
+            Some(ttl) => jittered.min(ttl.saturating_add(Duration::from_millis(1))),
             None => jittered,
         }
     }
@@ -48,6 +52,18 @@ mod tests {
             let ceiling = Duration::from_millis(10 * (1 << (attempt - 1).min(5)));
             for _ in 0..50 {
                 assert!(backoff.delay(attempt, None) <= ceiling);
+            }
+        }
+    }
+
+    #[test]
+    fn huge_delays_are_capped() {
+        for base in [Duration::MAX, Duration::from_secs(u64::MAX / 2)] {
+            let backoff = Backoff::new(base);
+            assert_eq!(backoff.ceiling(), MAX_TTL);
+            for attempt in [1, 2, 40, u32::MAX] {
+                assert!(backoff.delay(attempt, None) <= MAX_TTL);
+                assert!(backoff.delay(attempt, Some(Duration::MAX)) <= MAX_TTL);
             }
         }
     }

@@ -173,6 +173,24 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_resent_release_of_the_outer_hold_leaves_the_inner_one() {
+        let server = RedisServer::shared().unwrap();
+        let mut conn = connect(&server).await;
+        let lock = "l{outer-first}";
+        assert_eq!(acquire(&mut conn, lock, "a", "a", false, true).await.0, 1);
+        assert_eq!(acquire(&mut conn, lock, "a", "h2", false, true).await.0, 1);
+        // The outer hold goes first; its release is resent (a lost reply, a retry).
+        assert_eq!(release(&mut conn, lock, "a", "a").await, 1);
+        assert_eq!(release(&mut conn, lock, "a", "a").await, 1);
+        // The inner hold still holds the lock: nobody else gets it.
+        assert_eq!(acquire(&mut conn, lock, "b", "b", false, true).await.0, 0);
+        let count: String = conn.hget(lock, "a").await.unwrap();
+        assert_eq!(count, "1");
+        assert_eq!(release(&mut conn, lock, "a", "h2").await, 1);
+        assert!(!conn.exists::<_, bool>(lock).await.unwrap());
+    }
+
+    #[tokio::test]
     async fn release_and_extend_only_for_the_owner() {
         let server = RedisServer::shared().unwrap();
         let mut conn = connect(&server).await;
@@ -200,6 +218,16 @@ mod tests {
         assert_eq!(owner, 1);
         let pttl: i64 = conn.pttl(lock).await.unwrap();
         assert!(pttl > 50_000);
+        let shorter: i64 = EXTEND
+            .key(lock)
+            .arg("a")
+            .arg(1_000)
+            .invoke_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(shorter, 1);
+        let pttl: i64 = conn.pttl(lock).await.unwrap();
+        assert!(pttl > 50_000, "extend never shortens a lease");
 
         assert_eq!(release(&mut conn, lock, "b", "b").await, 0);
         assert!(conn.exists::<_, bool>(lock).await.unwrap());

@@ -10,7 +10,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,8 @@ struct Shared {
     generation: AtomicU64,
     /// The generation of the last connection whose reader saw it end.
     closed: AtomicU64,
+    /// Set by `close`: no pub/sub connection from then on.
+    shut: AtomicBool,
     connect_timeout: Duration,
     response_timeout: Duration,
 }
@@ -103,6 +105,7 @@ impl Waiters {
                 sink: tokio::sync::Mutex::default(),
                 generation: AtomicU64::new(0),
                 closed: AtomicU64::new(0),
+                shut: AtomicBool::new(false),
                 connect_timeout,
                 response_timeout,
             }),
@@ -117,6 +120,19 @@ impl Waiters {
     /// How many keys have local waiters (and a subscription) right now.
     pub(crate) fn waiting_keys(&self) -> usize {
         self.shared.lock_keys().len()
+    }
+
+    /// Closes the pub/sub connection for good (the manager shut down); waiters fall back to
+    /// their timers. Runs on the manager's runtime, where the connection's reader lives.
+    pub(crate) fn close(&self) -> impl Future<Output = ()> + Send + 'static {
+        let shared = self.shared.clone();
+        async move {
+            shared.shut.store(true, Ordering::Release);
+            let mut sink = shared.sink.lock().await;
+            if sink.sink.is_some() {
+                shared.drop_connection(&mut sink);
+            }
+        }
     }
 
     /// Joins the back of the queue for the lock behind `channel`.
@@ -213,6 +229,9 @@ impl Shared {
             tracing::debug!("pub/sub connection busy; waiting on timers");
             return;
         };
+        if self.shut.load(Ordering::Acquire) {
+            return;
+        }
         if sink.sink.is_some() && self.closed.load(Ordering::Acquire) == sink.generation {
             self.drop_connection(&mut sink);
             sink.retry_at = None;

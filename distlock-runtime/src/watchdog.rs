@@ -20,7 +20,7 @@ use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
 use crate::backend::Renewal;
-use crate::lease::LeaseState;
+use crate::lease::{LeaseState, saturating_add};
 use crate::manager::Inner;
 
 /// At most this many leases per renewal script call.
@@ -112,6 +112,17 @@ impl Watchdog {
         &self.shared.counters
     }
 
+    /// How many leases are registered for renewal.
+    pub(crate) fn watched(&self) -> usize {
+        self.shared.lock().by_id.len()
+    }
+
+    /// Stops renewing every lease; the task ends at its next look.
+    pub(crate) fn stop(&self) {
+        self.shared.lock().by_id.clear();
+        self.shared.wake.notify_one();
+    }
+
     /// Starts renewing the hold `target` every ~`ttl`/3 until the registration is dropped or
     /// `max_hold` has passed since `acquired`.
     pub(crate) fn register(
@@ -130,8 +141,9 @@ impl Watchdog {
             token,
             ttl,
             state,
-            next_renewal: acquired + ttl / 3,
-            stop_at: max_hold.map(|max| acquired + max),
+            next_renewal: saturating_add(acquired, ttl / 3),
+            // Too far away for the clock to count: renew for as long as the guard lives.
+            stop_at: max_hold.and_then(|max| acquired.checked_add(max)),
             holder: Handle::try_current().ok(),
             alive: Arc::new(AtomicU64::new(since_epoch(Instant::now()))),
         };
@@ -212,7 +224,7 @@ fn collect_due(leases: &mut Leases) -> (Vec<Due>, Instant) {
         }
         // Renew what falls due within half an interval: two groups of leases taken at
         // different times then merge within a round, and share round trips from then on.
-        if lease.next_renewal <= now + lease.ttl / 6 {
+        if lease.next_renewal <= saturating_add(now, lease.ttl / 6) {
             let probed = lease.alive.load(Ordering::Acquire);
             let holder_alive = since_epoch(now).saturating_sub(probed) <= nanos(lease.ttl / 2);
             match &lease.holder {
@@ -223,7 +235,7 @@ fn collect_due(leases: &mut Leases) -> (Vec<Due>, Instant) {
                 }
                 None => lease.alive.store(since_epoch(now), Ordering::Release),
             }
-            lease.next_renewal = now + lease.ttl / 3;
+            lease.next_renewal = saturating_add(now, lease.ttl / 3);
             if holder_alive {
                 due.push(Due {
                     id,
@@ -261,12 +273,12 @@ async fn renew(shared: &Shared, inner: &Inner, due: Vec<Due>) {
             Ok(results) => {
                 let mut leases = shared.lock();
                 for (lease, renewed) in batch.iter().zip(results) {
-                    if renewed {
-                        lease.state.renewed(sent, lease.ttl);
+                    // An answer after the local deadline finds the lease already lost.
+                    if renewed && lease.state.renewed(sent, lease.ttl) {
                         shared.counters.renewed.fetch_add(1, Ordering::Relaxed);
                     } else if leases.by_id.remove(&lease.id).is_some() {
                         // (A lease released while its renewal was in flight is not lost.)
-                        tracing::warn!(lock = %lease.lock, "lease lost: renewal found another owner or no key");
+                        tracing::warn!(lock = %lease.lock, renewed, "lease lost: renewal found another owner or no key, or came too late");
                         shared.counters.lost.fetch_add(1, Ordering::Relaxed);
                         lease.state.mark_lost();
                     }

@@ -52,7 +52,8 @@ elseif redis.call('hexists', lock, 'h:' .. hold) == 1 then
 elseif ARGV[5] == '1' and redis.call('hexists', lock, token) == 1 then
   -- Nesting starts: from now on every hold has a marker, the first one included.
   if redis.call('hincrby', lock, token, 1) == 2 then
-    redis.call('hset', lock, 'h:' .. token, 1)
+    -- Once given back, the first hold's marker stays at 0 (see release.lua).
+    redis.call('hsetnx', lock, 'h:' .. token, 1)
   end
   redis.call('hset', lock, 'h:' .. hold, 1)
   return held()

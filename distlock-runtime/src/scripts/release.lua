@@ -20,19 +20,26 @@ local window = lock .. ':mh'
 
 -- Only this owner's own exclusive or write lock is touched; a key that is not a hash was
 -- not written by these scripts.
-local fields = redis.pcall('hmget', lock, 'mode', token, 'min_hold')
+local fields = redis.pcall('hmget', lock, 'mode', token, 'min_hold', 'h:' .. token)
 if fields['err'] then
   return 0
 end
-local mode, count = fields[1], tonumber(fields[2] or '0')
+local mode, count, first = fields[1], tonumber(fields[2] or '0'), fields[4]
 if count == 0 or (mode and mode ~= 'write') then
   return 0
 end
 
 local keep = tonumber(ARGV[3])
-if count > 1 or hold ~= token then
-  -- Nested holds carry markers: give back this one, once.
-  if redis.call('hdel', lock, 'h:' .. hold) == 0 then
+if count > 1 or hold ~= token or first then
+  -- Nested holds carry markers: give back this one, once. The first hold's marker (set
+  -- when nesting started) stays, at 0, once that hold is given back, so that a resent
+  -- release of it is recognised while later holds keep the lock.
+  if hold == token then
+    if first == '0' then
+      return 1
+    end
+    redis.call('hset', lock, 'h:' .. token, 0)
+  elseif redis.call('hdel', lock, 'h:' .. hold) == 0 then
     return 1
   end
   count = redis.call('hincrby', lock, token, -1)

@@ -43,7 +43,8 @@ if current and redis.call('hexists', lock, token) == 1 and redis.call('exists', 
   if hold ~= token and redis.call('hsetnx', lock, 'h:' .. hold, 1) == 1 then
     -- Nesting starts: from now on every hold has a marker, the first one included.
     if redis.call('hincrby', lock, token, 1) == 2 then
-      redis.call('hset', lock, 'h:' .. token, 1)
+      -- Once given back, the first hold's marker stays at 0 (see release.lua).
+    redis.call('hsetnx', lock, 'h:' .. token, 1)
     end
   end
   lengthen(share)

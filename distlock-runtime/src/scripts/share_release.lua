@@ -13,7 +13,7 @@
 
 local lock, share, token, hold = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
 
-local fields = redis.pcall('hmget', lock, 'mode', token)
+local fields = redis.pcall('hmget', lock, 'mode', token, 'h:' .. token)
 if fields['err'] or (fields[1] ~= 'read' and fields[1] ~= 'permits') then
   return 0
 end
@@ -27,8 +27,15 @@ if redis.call('exists', share) == 0 then
   return 0
 end
 
-if count > 1 or hold ~= token then
-  if redis.call('hdel', lock, 'h:' .. hold) == 0 then
+local first = fields[3]
+if count > 1 or hold ~= token or first then
+  -- As in release.lua: the first hold's marker stays at 0 once that hold is given back.
+  if hold == token then
+    if first == '0' then
+      return 1
+    end
+    redis.call('hset', lock, 'h:' .. token, 0)
+  elseif redis.call('hdel', lock, 'h:' .. hold) == 0 then
     return 1
   end
   if redis.call('hincrby', lock, token, -1) > 0 then

@@ -74,7 +74,8 @@ elseif redis.call('hexists', lock, 'h:' .. hold) == 1 then
   return held()
 elseif ARGV[5] == '1' and redis.call('hexists', lock, token) == 1 then
   if redis.call('hincrby', lock, token, 1) == 2 then
-    redis.call('hset', lock, 'h:' .. token, 1)
+    -- Once given back, the first hold's marker stays at 0 (see release.lua).
+    redis.call('hsetnx', lock, 'h:' .. token, 1)
   end
   redis.call('hset', lock, 'h:' .. hold, 1)
   return held()
