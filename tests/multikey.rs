@@ -653,3 +653,38 @@ async fn on_redlock_a_majority_grants_the_whole_set() {
         }
     ));
 }
+
+#[tokio::test]
+async fn shutdown_gives_back_every_set() {
+    let server = shared_server();
+    let prefix = unique_prefix("shutdown");
+    let locks = manager(&server, &prefix).await;
+    let other = manager(&server, &prefix).await;
+    let set = locks
+        .lock_all(["a", "b"])
+        .ttl(Duration::from_secs(60))
+        .acquire()
+        .await
+        .unwrap();
+    let held = other.lock("c").acquire().await.unwrap();
+    let waiter = locks.clone();
+    let waiting = tokio::spawn(async move {
+        waiter
+            .lock_all(["c", "d"])
+            .wait(Duration::from_secs(60))
+            .acquire()
+            .await
+    });
+    while locks.stats().waiting_keys == 0 {
+        tokio::task::yield_now().await;
+    }
+    locks.shutdown().await;
+    assert_eq!(keys(&server, &prefix), vec![locks.redis_key("c")]);
+    assert!(matches!(set.release().await, Err(LockError::ShutDown)));
+    assert!(matches!(waiting.await.unwrap(), Err(LockError::ShutDown)));
+    assert!(matches!(
+        locks.lock_all(["e"]).acquire().await,
+        Err(LockError::ShutDown)
+    ));
+    held.release().await.unwrap();
+}

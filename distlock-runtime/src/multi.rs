@@ -15,13 +15,13 @@ use std::time::{Duration, Instant};
 
 use tracing::Instrument;
 
-use crate::backend::{SetAttempt, SetKey, SetRequest};
+use crate::backend::{HoldIds, SetAttempt, SetKey, SetRequest};
 use crate::context::{self, Held, Kind};
-use crate::guard::Acquired;
+use crate::guard::{Acquired, Live};
 use crate::key::Keys;
 use crate::lease::LeaseState;
-use crate::lock::{is_transient, new_token};
-use crate::manager::LockManager;
+use crate::lock::{MAX_TTL, check_ttl, is_transient, new_token};
+use crate::manager::{Inner, LockManager};
 use crate::retry::Backoff;
 use crate::waiters::Ticket;
 use crate::watchdog::{Registration, Target};
@@ -135,7 +135,7 @@ impl<'m> MultiLockRequest<'m> {
         self
     }
 
-    /// The lease of every lock of the set. Must be at least 1 ms.
+    /// The lease of every lock of the set. Must be at least 1 ms and at most [`MAX_TTL`].
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = Some(ttl);
         self
@@ -201,7 +201,8 @@ impl<'m> MultiLockRequest<'m> {
     /// for a release of the key it found busy.
     ///
     /// Errors: those of [`LockRequest::acquire`](crate::LockRequest::acquire), naming the key
-    /// found busy (or lost); [`LockError::InvalidInput`] for an empty set as well.
+    /// found busy (or lost); [`LockError::InvalidInput`] for an empty set as well, and
+    /// [`LockError::ShutDown`] once [`LockManager::shutdown`] was called.
     ///
     /// Cancel-safe: if this future is dropped while an attempt is in flight, a release of the
     /// whole set is sent right behind it.
@@ -210,7 +211,20 @@ impl<'m> MultiLockRequest<'m> {
         let names: Vec<&str> = plan.keys.iter().map(|k| k.name.as_str()).collect();
         let span =
             tracing::debug_span!("lock.acquire_all", template = plan.template, keys = ?names);
-        Box::pin(acquire(self.manager, plan, self.record).instrument(span)).await
+        let holds = &self.manager.inner.holds;
+        if holds.is_shut_down() {
+            return Err(LockError::ShutDown);
+        }
+        let acquiring = Box::pin(acquire(self.manager, plan, self.record).instrument(span));
+        let guard = tokio::select! {
+            acquired = acquiring => acquired?,
+            () = holds.until_shut_down() => return Err(LockError::ShutDown),
+        };
+        if guard.listing == Listing::Unlisted {
+            // Granted while the manager shut down: dropping it gives it back.
+            return Err(LockError::ShutDown);
+        }
+        Ok(guard)
     }
 
     /// Makes exactly one attempt: `Ok(None)` when another owner holds any lock of the set.
@@ -238,12 +252,9 @@ impl<'m> MultiLockRequest<'m> {
             ));
         }
         let ttl = self.ttl.unwrap_or(defaults.ttl);
-        if ttl < Duration::from_millis(1) {
-            return Err(LockError::invalid(
-                "ttl",
-                format!("the lease of a lock set must be at least 1ms, got {ttl:?}"),
-            ));
-        }
+        check_ttl(ttl).map_err(|reason| {
+            LockError::invalid("ttl", format!("the lease of a lock set {reason}"))
+        })?;
         if self.fencing && self.manager.inner.backend.is_redlock() {
             return Err(LockError::invalid(
                 "fencing",
@@ -268,7 +279,8 @@ impl<'m> MultiLockRequest<'m> {
             ttl,
             retries,
             backoff: Backoff::new(self.retry_delay.unwrap_or(defaults.retry_delay)),
-            wait: self.wait.or(defaults.wait),
+            // Longer than any lease: no time bound at all.
+            wait: self.wait.or(defaults.wait).filter(|wait| *wait <= MAX_TTL),
             fencing: self.fencing,
             watchdog: self.watchdog,
             max_hold: self.max_hold.or(defaults.max_hold),
@@ -517,7 +529,30 @@ fn grant(
     if record {
         held.iter().for_each(context::record);
     }
+    // Each lock of the set is listed as the first hold it is, for shutdown to give back.
+    let mut ids = Vec::with_capacity(request.keys.len());
+    let mut after_shutdown = false;
+    for key in &request.keys {
+        let live = Live {
+            ids: hold_ids(key, &request.token),
+            keep_until: None,
+            lease: lease.clone(),
+        };
+        match inner.holds.list(live) {
+            Some(id) => ids.push(id),
+            None => after_shutdown = true,
+        }
+    }
+    let listing = if after_shutdown {
+        for id in ids {
+            inner.holds.unlist(id);
+        }
+        Listing::Unlisted
+    } else {
+        Listing::Listed(ids)
+    };
     MultiGuard {
+        listing,
         manager: manager.clone(),
         names,
         fresh,
@@ -528,7 +563,6 @@ fn grant(
         acquired,
         renewals,
         held,
-        released: false,
     }
 }
 
@@ -543,7 +577,7 @@ struct InFlight<'a> {
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         if self.maybe_held {
-            release_in_background(self.manager, self.request.clone());
+            release_behind_attempt(self.manager, self.request.clone());
         }
     }
 }
@@ -567,7 +601,29 @@ pub struct MultiGuard {
     acquired: Acquired,
     renewals: Vec<Registration>,
     held: Vec<Arc<Held>>,
-    released: bool,
+    listing: Listing,
+}
+
+/// Where a set's locks stand with its manager (as a `LockGuard`'s hold does).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Listing {
+    /// Listed under these ids, so that shutdown can give them back.
+    Listed(Vec<u64>),
+    /// Granted while the manager shut down: not listed, still to be given back.
+    Unlisted,
+    /// Given back, or handed to shutdown.
+    Done,
+}
+
+/// What names the hold a set has of one of its locks: a first exclusive hold of its token.
+fn hold_ids(key: &SetKey, token: &str) -> HoldIds {
+    HoldIds {
+        lock: key.lock.clone(),
+        wake: key.wake.clone(),
+        token: token.to_owned(),
+        hold: token.to_owned(),
+        share: None,
+    }
 }
 
 impl MultiGuard {
@@ -689,15 +745,14 @@ impl MultiGuard {
         Ok(true)
     }
 
-    /// Sets every lease of the set to `ttl` from now, if this owner still holds them all;
-    /// otherwise [`LockError::Lost`] naming a lock that was lost (the others are extended).
+    /// Makes every lease of the set last at least `ttl` from now, if this owner still holds
+    /// them all; otherwise [`LockError::Lost`] naming a lock that was lost (the others are
+    /// extended). Like [`LockGuard::extend`], it never shortens a lease.
     /// The extensions go out together, in one round trip per server.
     pub async fn extend(&self, ttl: Duration) -> Result<(), LockError> {
-        if ttl < Duration::from_millis(1) {
-            return Err(LockError::invalid(
-                "ttl",
-                format!("a lease must be at least 1ms, got {ttl:?}"),
-            ));
+        check_ttl(ttl).map_err(|reason| LockError::invalid("ttl", format!("a lease {reason}")))?;
+        if self.given_back_by_shutdown() {
+            return Err(LockError::ShutDown);
         }
         let sent = Instant::now();
         let calls = self.request.keys.iter().map(|key| {
@@ -711,14 +766,19 @@ impl MultiGuard {
         for (answer, keys) in answers.into_iter().zip(&self.fresh) {
             let extended = answer?.map_err(|e| LockError::redis(&keys.name, e))?;
             if !extended && lost.is_none() {
-                lost = Some(keys.name.as_str());
+                lost = Some(keys);
             }
         }
+        // An answer after the local deadline finds the lease already lost.
+        let lost = match lost {
+            None if !self.fresh.is_empty() && !self.lease.renewed(sent, ttl) => self.fresh.first(),
+            None => None,
+            Some(at) => Some(at),
+        };
         if let Some(key) = lost {
             self.lease.mark_lost();
-            return Err(self.lost_error(Some(key)));
+            return Err(self.lost_error(Some(&key.name)));
         }
-        self.lease.renewed(sent, ttl);
         for guard in &self.nested {
             guard.extend(ttl).await?;
         }
@@ -732,8 +792,10 @@ impl MultiGuard {
     /// back all the same. A release whose reply is lost is sent once more, as for
     /// [`LockGuard::release`].
     pub async fn release(mut self) -> Result<(), LockError> {
-        self.released = true;
         self.renewals.clear();
+        if !self.unlist() {
+            return Err(LockError::ShutDown);
+        }
         let inner = self.manager.inner.clone();
         let mut outcome = Ok(());
         if !self.fresh.is_empty() {
@@ -777,7 +839,35 @@ impl MultiGuard {
         outcome
     }
 
+    /// Takes the set off the manager's list: `true` when giving it back is up to the caller,
+    /// `false` when shutdown (or an earlier release) already did.
+    fn unlist(&mut self) -> bool {
+        match std::mem::replace(&mut self.listing, Listing::Done) {
+            // Shutdown takes every hold at once: one still listed means all are.
+            Listing::Listed(ids) => {
+                let holds = &self.manager.inner.holds;
+                ids.into_iter()
+                    .fold(self.fresh.is_empty(), |ours, id| holds.unlist(id) | ours)
+            }
+            Listing::Unlisted => true,
+            Listing::Done => false,
+        }
+    }
+
+    /// Whether [`LockManager::shutdown`] gave the set back.
+    fn given_back_by_shutdown(&self) -> bool {
+        match &self.listing {
+            Listing::Listed(ids) => ids
+                .iter()
+                .any(|&id| !self.manager.inner.holds.is_listed(id)),
+            Listing::Unlisted | Listing::Done => false,
+        }
+    }
+
     fn lost_error(&self, key: Option<&str>) -> LockError {
+        if self.given_back_by_shutdown() {
+            return LockError::ShutDown;
+        }
         let key = key.or_else(|| self.fresh.first().map(|k| k.name.as_str()));
         LockError::Lost {
             key: key.unwrap_or_default().to_owned(),
@@ -791,11 +881,11 @@ impl MultiGuard {
 
 impl Drop for MultiGuard {
     fn drop(&mut self) {
-        if !self.released {
-            self.renewals.clear();
-            if !self.fresh.is_empty() {
-                release_in_background(&self.manager, self.request.clone());
-            }
+        self.renewals.clear();
+        if self.unlist() && !self.fresh.is_empty() {
+            // From the manager's own runtime, which outlives the caller's.
+            let release = release_logged(self.manager.inner.clone(), self.request.clone());
+            self.manager.inner.driver.spawn(release);
         }
     }
 }
@@ -812,26 +902,11 @@ impl fmt::Debug for MultiGuard {
     }
 }
 
-/// Sends a release of a whole set without waiting for it, as
-/// [`release_in_background`](crate::guard::release_in_background) does for one hold.
-fn release_in_background(manager: &LockManager, request: SetRequest) {
-    let inner = manager.inner.clone();
-    let release = async move {
-        match inner.backend.release_set(&request).await {
-            Ok(released) => {
-                for (yes, key) in released.into_iter().zip(&request.keys) {
-                    if yes {
-                        inner.waiters.released(&key.wake);
-                    }
-                }
-                tracing::debug!(locks = request.keys.len(), "set released in the background");
-            }
-            Err(error) => tracing::warn!(
-                %error,
-                "background release of a lock set failed; the leases will expire"
-            ),
-        }
-    };
+/// Sends a release of a whole set right behind an attempt whose caller gave up: on the
+/// caller's runtime, queued before this returns on the connection the attempt went out on
+/// (outside any runtime, from the manager's own).
+fn release_behind_attempt(manager: &LockManager, request: SetRequest) {
+    let release = release_logged(manager.inner.clone(), request);
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
             // One poll queues the request on the connection; the task finishes the rest.
@@ -842,5 +917,23 @@ fn release_in_background(manager: &LockManager, request: SetRequest) {
             }
         }
         Err(_) => manager.inner.driver.spawn(release),
+    }
+}
+
+/// Gives back a whole set; the outcome is only logged.
+async fn release_logged(inner: Arc<Inner>, request: SetRequest) {
+    match inner.backend.release_set(&request).await {
+        Ok(released) => {
+            for (yes, key) in released.into_iter().zip(&request.keys) {
+                if yes {
+                    inner.waiters.released(&key.wake);
+                }
+            }
+            tracing::debug!(locks = request.keys.len(), "set released in the background");
+        }
+        Err(error) => tracing::warn!(
+            %error,
+            "background release of a lock set failed; the leases will expire"
+        ),
     }
 }
