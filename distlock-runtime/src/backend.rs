@@ -25,6 +25,9 @@ use redis::{
 use crate::scripts;
 use crate::security::Security;
 
+mod sets;
+pub(crate) use sets::{SetAttempt, SetKey, SetRequest};
+
 /// The answer to one acquire attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Attempt {

@@ -81,7 +81,10 @@ pub(crate) fn record(held: &Arc<Held>) {
 }
 
 /// Runs `body` in a frame of its own that starts with the holds visible here, plus `held`.
-pub(crate) async fn run_holding<F: Future>(held: Option<&Arc<Held>>, body: F) -> F::Output {
+pub(crate) async fn run_holding<'h, F: Future>(
+    held: impl IntoIterator<Item = &'h Arc<Held>>,
+    body: F,
+) -> F::Output {
     let mut list = FRAME
         .try_with(|list| {
             list.borrow()
@@ -91,7 +94,7 @@ pub(crate) async fn run_holding<F: Future>(held: Option<&Arc<Held>>, body: F) ->
                 .collect()
         })
         .unwrap_or_else(|_| Vec::new());
-    list.extend(held.map(Arc::downgrade));
+    list.extend(held.into_iter().map(Arc::downgrade));
     FRAME.scope(RefCell::new(list), body).await
 }
 
@@ -106,5 +109,5 @@ pub(crate) async fn run_holding<F: Future>(held: Option<&Arc<Held>>, body: F) ->
 /// own to exclude each other: branches of one scope share its holds, as nested code does.
 /// Contexts do not cross `tokio::spawn`: a spawned task is a different owner.
 pub async fn scope<F: Future>(body: F) -> F::Output {
-    run_holding(None, body).await
+    run_holding([], body).await
 }

@@ -424,9 +424,9 @@ async fn release_logged(inner: Arc<Inner>, ids: HoldIds, keep_until: Option<Inst
 /// A hold as the manager lists it, for [`LockManager::shutdown`].
 #[derive(Debug)]
 pub(crate) struct Live {
-    ids: HoldIds,
-    keep_until: Option<Instant>,
-    lease: Arc<LeaseState>,
+    pub(crate) ids: HoldIds,
+    pub(crate) keep_until: Option<Instant>,
+    pub(crate) lease: Arc<LeaseState>,
 }
 
 /// Every hold of one manager that is still to be given back, and whether it shut down.
@@ -448,7 +448,7 @@ impl Holds {
     }
 
     /// Lists a new hold; `None` once the manager has shut down.
-    fn list(&self, live: Live) -> Option<u64> {
+    pub(crate) fn list(&self, live: Live) -> Option<u64> {
         let mut listed = self.lock();
         if self.is_shut_down() {
             return None;
@@ -460,11 +460,11 @@ impl Holds {
     }
 
     /// Takes a hold off the list; `false` when shutdown took it first.
-    fn unlist(&self, id: u64) -> bool {
+    pub(crate) fn unlist(&self, id: u64) -> bool {
         self.lock().by_id.remove(&id).is_some()
     }
 
-    fn is_listed(&self, id: u64) -> bool {
+    pub(crate) fn is_listed(&self, id: u64) -> bool {
         self.lock().by_id.contains_key(&id)
     }
 

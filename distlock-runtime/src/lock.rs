@@ -668,7 +668,7 @@ fn shape_of(kind: RequestKind, plan: &Plan, token: &str) -> (Shape, Kind) {
     }
 }
 
-fn new_token() -> String {
+pub(crate) fn new_token() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
 
@@ -676,7 +676,7 @@ fn new_token() -> String {
 /// Connection failures, and server answers that say "not now" (TRYAGAIN, CLUSTERDOWN,
 /// MASTERDOWN, LOADING, READONLY during a failover, …): retried within the request's
 /// bounds, and reported as the Redis error they are, never as busy, if the bounds run out.
-fn is_transient(error: &redis::RedisError) -> bool {
+pub(crate) fn is_transient(error: &redis::RedisError) -> bool {
     error.is_io_error()
         || error.is_timeout()
         || error.is_connection_dropped()
