@@ -524,7 +524,7 @@ async fn a_free_permit_is_not_queued_behind_a_local_waiter_for_another_kind() {
                 .wait(Duration::from_secs(10))
                 .acquire()
                 .await
-                .map(|guard| drop(guard))
+                .map(drop)
         })
     };
     while locks.stats().waiting_keys == 0 {

@@ -20,7 +20,7 @@ use crate::context::{self, Held, Kind};
 use crate::guard::{Acquired, Live};
 use crate::key::Keys;
 use crate::lease::LeaseState;
-use crate::lock::{MAX_TTL, check_ttl, is_transient, new_token};
+use crate::lock::{MAX_TTL, RequestKind, check_ttl, is_transient, new_token};
 use crate::manager::{Inner, LockManager};
 use crate::retry::Backoff;
 use crate::waiters::Ticket;
@@ -438,10 +438,13 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Mult
         if queues && failure.is_none() && !follows {
             // Busy on a lock not followed yet: queue for it. Look again at once after
             // subscribing (a release in between publishes unheard), unless that was just done.
-            let joined =
-                inner
-                    .waiters
-                    .join(&request.keys[busy_at].wake, &inner.backend, &inner.driver);
+            let labels = crate::metrics::Labels::new(plan.template, RequestKind::Exclusive);
+            let joined = inner.waiters.join(
+                &request.keys[busy_at].wake,
+                &inner.backend,
+                &inner.driver,
+                labels,
+            );
             joined.heard(None);
             seen = Some(joined.wakes());
             ticket = Some((busy_at, joined));
@@ -504,6 +507,7 @@ fn grant(
                     lock: key.lock.clone(),
                     share: None,
                     token: request.token.clone(),
+                    metrics: crate::metrics::Labels::new(plan.template, RequestKind::Exclusive),
                 };
                 inner
                     .watchdog
