@@ -929,6 +929,29 @@ impl Backend {
         }
     }
 
+    /// Runs `op` on every master at once, each bounded by `limit`; a master kept out of
+    /// quorums after a restart answers with an error instead.
+    pub(crate) async fn on_eligible<'a, T, Fut>(
+        &'a self,
+        limit: Duration,
+        op: impl Fn(&'a Node) -> Fut,
+    ) -> Vec<RedisResult<T>>
+    where
+        Fut: Future<Output = RedisResult<T>>,
+    {
+        let eligible = join_all(self.nodes.iter().map(Node::eligible)).await;
+        let attempts = self.nodes.iter().zip(eligible).map(|(node, eligible)| {
+            let attempt = eligible.then(|| op(node));
+            async move {
+                match attempt {
+                    Some(attempt) => bounded(limit, attempt).await,
+                    None => Err(io::Error::other("master out of quorum after a restart").into()),
+                }
+            }
+        });
+        join_all(attempts).await
+    }
+
     /// The node that carries wake-up messages.
     fn first(&self) -> &Node {
         &self.nodes[0]
@@ -941,19 +964,7 @@ impl Backend {
         }
         let limit = node_limit(req.lease);
         let started = std::time::Instant::now();
-        let eligible = join_all(self.nodes.iter().map(Node::eligible)).await;
-        let attempts = self
-            .nodes
-            .iter()
-            .zip(&eligible)
-            .map(|(node, eligible)| async move {
-                if *eligible {
-                    bounded(limit, node.acquire(req)).await
-                } else {
-                    Err(io::Error::other("master out of quorum after a restart").into())
-                }
-            });
-        let answers = join_all(attempts).await;
+        let answers = self.on_eligible(limit, |node| node.acquire(req)).await;
         let elapsed = started.elapsed();
         let drift = req.lease / 100 + Duration::from_millis(2);
         let mut held = 0;

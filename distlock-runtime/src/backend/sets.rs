@@ -233,19 +233,7 @@ impl Backend {
         }
         let limit = node_limit(req.lease);
         let started = std::time::Instant::now();
-        let eligible = join_all(self.nodes.iter().map(Node::eligible)).await;
-        let attempts = self
-            .nodes
-            .iter()
-            .zip(&eligible)
-            .map(|(node, eligible)| async move {
-                if *eligible {
-                    bounded(limit, node.acquire_set(req)).await
-                } else {
-                    Err(io::Error::other("master out of quorum after a restart").into())
-                }
-            });
-        let answers = join_all(attempts).await;
+        let answers = self.on_eligible(limit, |node| node.acquire_set(req)).await;
         let elapsed = started.elapsed();
         let drift = req.lease / 100 + Duration::from_millis(2);
         let (mut held, mut failed) = (0, 0);
