@@ -94,13 +94,33 @@ pub use distlock_runtime::*;
 ///
 /// Every argument below also exists on the request builder, by the same name.
 ///
-/// # `key = "…"` (required)
+/// # `key = "…"` (required, or `keys`)
 ///
 /// The lock's name. `{param}`, `{param.field}`, `{param.0}` and `{self.field}` insert a
 /// parameter (or a field of one) with `Display`; `{{` and `}}` are literal braces. A name
 /// that is not a parameter is a compile error. The Redis key is `prefix{key}`.
 ///
 /// The same without the macro: `locks.lock(format!("order:{}", order.id))`.
+///
+/// # `keys = ["…", "…"]`
+///
+/// Several exclusive locks taken together, all or none, for work that spans several
+/// resources (a transfer between two accounts). Each template is checked as `key` is; two
+/// identical templates are a compile error, and names that turn out equal at run time are
+/// taken once. The order does not matter: two calls that list the same keys in opposite
+/// orders never deadlock, since a call never holds part of its set while waiting for the
+/// rest. Give either `key` or `keys`; `mode`, `permits` and `min_hold` do not apply to a set.
+/// With `guard = name`, `name` is a `&MultiGuard`.
+///
+/// ```no_run
+/// # use distlock::{distributed_lock, LockError};
+/// #[distributed_lock(keys = ["account:{from}", "account:{to}"], ttl = "10s", retries = 5)]
+/// async fn transfer(from: u64, to: u64, amount: u64) -> Result<(), LockError> {
+///     Ok(())
+/// }
+/// ```
+///
+/// The same without the macro: [`LockManager::lock_all`], which returns a [`MultiGuard`].
 ///
 /// # `ttl = "10s"`
 ///
@@ -252,5 +272,6 @@ pub use distlock_runtime::*;
 /// unknown or repeated argument, a duration without a unit, an unknown placeholder,
 /// unbalanced braces, a return type that cannot carry `LockError`, and contradictory options
 /// (`wait` or `retry_delay` with `retries = 0`, `max_hold` without `watchdog`, `min_hold`
-/// longer than `ttl` or on a shared lock, `mode` with `permits`, `reentrant` permits).
+/// longer than `ttl` or on a shared lock, `mode` with `permits`, `reentrant` permits, `key`
+/// with `keys`, and `mode`, `permits` or `min_hold` with `keys`).
 pub use distlock_macros::distributed_lock;

@@ -322,37 +322,3 @@ async fn a_release_wakes_a_waiter_on_a_cluster() {
     assert!(guard.attempts() >= 2);
     guard.release().await.unwrap();
 }
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_resent_by_the_cluster_client_is_not_a_lost_lease() {
-    let nodes = RedisServer::start_cluster(3).unwrap();
-    let locks = LockManager::builder()
-        .cluster(nodes.iter().map(RedisServer::url))
-        .key_prefix("resent:")
-        .response_timeout(Duration::from_millis(300))
-        .build()
-        .await
-        .unwrap();
-    let guard = locks
-        .lock("k")
-        .ttl(Duration::from_secs(30))
-        .acquire()
-        .await
-        .unwrap();
-    // Every master stops answering while the release is on its way: the client gives up on
-    // the first send and sends it again; both arrive once the masters are back.
-    for node in &nodes {
-        node.pause().unwrap();
-    }
-    let release = tokio::spawn(guard.release());
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    for node in &nodes {
-        node.resume().unwrap();
-    }
-    let released = release.await.unwrap();
-    assert!(
-        !matches!(released, Err(distlock::LockError::Lost { .. })),
-        "a release that went through is reported as {released:?}"
-    );
-    assert!(keys(&nodes, "resent:").is_empty());
-}

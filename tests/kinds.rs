@@ -503,3 +503,76 @@ async fn a_stale_share_release_leaves_the_next_kind_alone() {
     }
     assert!(keys(&server, &prefix).is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_free_permit_is_not_queued_behind_a_local_waiter_for_another_kind() {
+    let server = shared_server();
+    let prefix = unique_prefix("permitq");
+    let locks = manager(&server, &prefix).await;
+    let first = locks
+        .semaphore("k", 2)
+        .try_acquire()
+        .await
+        .unwrap()
+        .unwrap();
+    // An exclusive request of the same manager waits for the permit holder.
+    let waiter = {
+        let locks = locks.clone();
+        tokio::spawn(async move {
+            locks
+                .lock("k")
+                .wait(Duration::from_secs(10))
+                .acquire()
+                .await
+                .map(drop)
+        })
+    };
+    while locks.stats().waiting_keys == 0 {
+        tokio::task::yield_now().await;
+    }
+    // The second permit is free: taking it does not wait behind the exclusive waiter (which
+    // waits for the first permit, which may be released only once this one is taken).
+    let second = locks
+        .semaphore("k", 2)
+        .wait(Duration::from_secs(2))
+        .acquire()
+        .await
+        .expect("a free permit is granted");
+    assert_eq!(second.attempts(), 1);
+    second.release().await.unwrap();
+    first.release().await.unwrap();
+    waiter.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn asking_for_a_permit_while_holding_every_permit_is_a_self_deadlock() {
+    let server = shared_server();
+    let prefix = unique_prefix("permitself");
+    let locks = manager(&server, &prefix).await;
+    distlock::scope(async {
+        let only = locks.semaphore("one", 1).acquire().await.unwrap();
+        let again = locks
+            .semaphore("one", 1)
+            .wait(Duration::from_secs(30))
+            .acquire()
+            .await;
+        assert!(
+            matches!(again, Err(LockError::WouldDeadlock { .. })),
+            "{again:?}"
+        );
+        // With permits to spare, a second permit is another holder.
+        let a = locks.semaphore("two", 2).acquire().await.unwrap();
+        let b = locks.semaphore("two", 2).acquire().await.unwrap();
+        assert_ne!(a.token(), b.token());
+        let c = locks
+            .semaphore("two", 2)
+            .wait(Duration::from_secs(30))
+            .acquire()
+            .await;
+        assert!(matches!(c, Err(LockError::WouldDeadlock { .. })), "{c:?}");
+        for guard in [only, a, b] {
+            guard.release().await.unwrap();
+        }
+    })
+    .await;
+}

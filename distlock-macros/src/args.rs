@@ -9,7 +9,7 @@ use syn::{Expr, Ident, LitInt, LitStr};
 use crate::duration::{self, DurationArg};
 use crate::key::{self, Template};
 
-const KNOWN: &str = "`key`, `ttl`, `retries`, `retry_delay`, `wait`, `watchdog`, `max_hold`, \
+const KNOWN: &str = "`key`, `keys`, `ttl`, `retries`, `retry_delay`, `wait`, `watchdog`, `max_hold`, \
      `reentrant`, `fencing`, `mode`, `permits`, `on_busy`, `on_lost`, `min_hold`, `guard`, `manager`";
 
 /// What to do when the lock is held by someone else.
@@ -38,6 +38,8 @@ pub(crate) enum Mode {
 #[derive(Default)]
 pub(crate) struct Args {
     pub(crate) key: Option<Template>,
+    /// `keys = [...]`: the templates of a set of locks taken together.
+    pub(crate) keys: Option<Vec<Template>>,
     pub(crate) ttl: Option<DurationArg>,
     pub(crate) retries: Option<(LitInt, u32)>,
     pub(crate) retry_delay: Option<DurationArg>,
@@ -78,7 +80,7 @@ pub(crate) fn parse(tokens: TokenStream, call_site: Span) -> syn::Result<Args> {
     let mut errors = Errors::default();
     let mut key_seen = false;
     let parser = syn::meta::parser(|meta| {
-        key_seen |= meta.path.is_ident("key");
+        key_seen |= meta.path.is_ident("key") || meta.path.is_ident("keys");
         if let Err(error) = args.one(&meta) {
             errors.push(error);
         }
@@ -88,7 +90,8 @@ pub(crate) fn parse(tokens: TokenStream, call_site: Span) -> syn::Result<Args> {
     if !key_seen {
         errors.push(syn::Error::new(
             call_site,
-            "missing `key`: name the lock, as in `#[distributed_lock(key = \"order:{order.id}\")]`",
+            "missing `key`: name the lock, as in `#[distributed_lock(key = \"order:{order.id}\")]`, \
+             or a set of locks, as in `keys = [\"account:{from}\", \"account:{to}\"]`",
         ));
     }
     args.check_conflicts(&mut errors);
@@ -118,7 +121,17 @@ impl Args {
         match name.as_str() {
             "key" => {
                 let template = key::parse(string(meta, "key")?)?;
+                if self.keys.is_some() {
+                    return Err(meta.error(ONE_OF_KEY_KEYS));
+                }
                 set(&mut self.key, template, meta)
+            }
+            "keys" => {
+                let templates = templates(meta)?;
+                if self.key.is_some() {
+                    return Err(meta.error(ONE_OF_KEY_KEYS));
+                }
+                set(&mut self.keys, templates, meta)
             }
             "ttl" => set(&mut self.ttl, duration_arg(meta, "ttl")?, meta),
             "retry_delay" => set(
@@ -228,6 +241,31 @@ impl Args {
 
     /// Options that cannot all be meant: reported at the later one.
     fn check_conflicts(&self, errors: &mut Errors) {
+        if self.keys.is_some() {
+            // A set is a set of exclusive locks: the options of other kinds are reported on
+            // themselves, wherever they stand.
+            if let Some((mode, _)) = &self.mode {
+                errors.push(syn::Error::new(
+                    mode.span(),
+                    "`mode` cannot be combined with `keys`: a set of locks is taken exclusively; \
+                     remove `mode`, or lock each key on its own",
+                ));
+            }
+            if let Some((permits, _)) = &self.permits {
+                errors.push(syn::Error::new(
+                    permits.span(),
+                    "`permits` cannot be combined with `keys`: a set of locks is taken exclusively; \
+                     remove `permits`, or take each semaphore on its own",
+                ));
+            }
+            if let Some(min_hold) = &self.min_hold {
+                errors.push(syn::Error::new(
+                    min_hold.lit.span(),
+                    "`min_hold` cannot be combined with `keys`: it applies to single locks; \
+                     remove `min_hold`, or use `key`",
+                ));
+            }
+        }
         if let (Some(_), Some((permits, _))) = (&self.mode, &self.permits) {
             errors.push(syn::Error::new(
                 permits.span(),
@@ -279,6 +317,59 @@ impl Args {
             }
         }
     }
+}
+
+const ONE_OF_KEY_KEYS: &str =
+    "give either `key` (one lock) or `keys` (a set of locks taken together), not both";
+
+/// `keys = ["…", "…"]`: a non-empty list of distinct templates, each checked like `key`.
+fn templates(meta: &ParseNestedMeta<'_>) -> syn::Result<Vec<Template>> {
+    const EXPECTED: &str = "`keys` takes a list of key templates, as in \
+         `keys = [\"account:{from}\", \"account:{to}\"]`";
+    if !meta.input.peek(syn::Token![=]) {
+        return Err(meta.error(EXPECTED));
+    }
+    let expr: Expr = meta.value()?.parse()?;
+    let Expr::Array(array) = &expr else {
+        return Err(syn::Error::new(expr.span(), EXPECTED));
+    };
+    if array.elems.is_empty() {
+        return Err(syn::Error::new(
+            array.span(),
+            "`keys` needs at least one key template, as in `keys = [\"account:{from}\", \"account:{to}\"]`",
+        ));
+    }
+    let mut errors = Errors::default();
+    let mut templates: Vec<Template> = Vec::with_capacity(array.elems.len());
+    for elem in &array.elems {
+        let Expr::Lit(syn::ExprLit {
+            lit: syn::Lit::Str(lit),
+            ..
+        }) = elem
+        else {
+            errors.push(syn::Error::new(
+                elem.span(),
+                "each of `keys` must be a string literal, as in `\"account:{id}\"`",
+            ));
+            continue;
+        };
+        if templates.iter().any(|t| t.lit.value() == lit.value()) {
+            errors.push(syn::Error::new(
+                lit.span(),
+                format!(
+                    "duplicate key template {:?} in `keys`: name each lock of the set once",
+                    lit.value()
+                ),
+            ));
+            continue;
+        }
+        match key::parse(lit.clone()) {
+            Ok(template) => templates.push(template),
+            Err(error) => errors.push(error),
+        }
+    }
+    errors.finish()?;
+    Ok(templates)
 }
 
 fn value<T: syn::parse::Parse>(

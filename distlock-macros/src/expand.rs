@@ -21,11 +21,13 @@ pub(crate) fn distributed_lock(args: TokenStream, item: TokenStream) -> TokenStr
     let function = check::function(item.clone())
         .map_err(|e| errors.push(e))
         .ok();
-    if let (Some(args), Some(function)) = (&args, &function)
-        && let Some(key) = &args.key
-        && let Err(error) = key.check_roots(&function.param_names(), function.has_self())
-    {
-        errors.push(error);
+    if let (Some(args), Some(function)) = (&args, &function) {
+        let (params, has_self) = (function.param_names(), function.has_self());
+        for template in args.key.iter().chain(args.keys.iter().flatten()) {
+            if let Err(error) = template.check_roots(&params, has_self) {
+                errors.push(error);
+            }
+        }
     }
     match (errors.finish(), args, function) {
         (Ok(()), Some(args), Some(function)) => expand(args, function),
@@ -63,22 +65,50 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
         },
     };
 
-    let template = args
-        .key
-        .as_ref()
-        .expect("`key` is required by `args::parse`");
-    let key = template.expr();
-    let template_text = template.lit.value();
-    let request = match (&args.mode, &args.permits) {
-        (Some((lit, Mode::Read)), _) => quote_spanned!(lit.span()=> read_lock),
-        (Some((lit, Mode::Write)), _) => quote_spanned!(lit.span()=> write_lock),
-        (None, Some((lit, _))) => quote_spanned!(lit.span()=> semaphore),
-        (None, None) => quote!(lock),
+    // One lock, or a set of locks taken together (`keys`): what to request, and the
+    // `__private` functions that take, hold and give back that kind of guard.
+    let (request, guard_type, acquire, run, release) = match (&args.key, &args.keys) {
+        (_, Some(templates)) => {
+            let keys = templates.iter().map(|t| {
+                let key = t.expr();
+                quote_spanned!(t.lit.span()=> ::distlock::__private::set_key(#key))
+            });
+            let text = templates
+                .iter()
+                .map(|t| t.lit.value())
+                .collect::<Vec<_>>()
+                .join(", ");
+            (
+                quote!(lock_all([#(#keys),*]).template(#text)),
+                quote!(::distlock::MultiGuard),
+                quote!(acquire_all),
+                quote!(run_all),
+                quote!(release_all),
+            )
+        }
+        (Some(template), None) => {
+            let key = template.expr();
+            let text = template.lit.value();
+            let method = match (&args.mode, &args.permits) {
+                (Some((lit, Mode::Read)), _) => quote_spanned!(lit.span()=> read_lock),
+                (Some((lit, Mode::Write)), _) => quote_spanned!(lit.span()=> write_lock),
+                (None, Some((lit, _))) => quote_spanned!(lit.span()=> semaphore),
+                (None, None) => quote!(lock),
+            };
+            let permits = args.permits.as_ref().map(|(lit, n)| {
+                let n = Literal::u32_unsuffixed(*n);
+                quote_spanned!(lit.span()=> , #n)
+            });
+            (
+                quote!(#method(#key #permits).template(#text)),
+                quote!(::distlock::LockGuard),
+                quote!(acquire),
+                quote!(run),
+                quote!(release),
+            )
+        }
+        (None, None) => unreachable!("`key` or `keys` is required by `args::parse`"),
     };
-    let permits = args.permits.as_ref().map(|(lit, n)| {
-        let n = Literal::u32_unsuffixed(*n);
-        quote_spanned!(lit.span()=> , #n)
-    });
     let mut options = TokenStream::new();
     let millis = |lit: &syn::LitStr, ms: u64| {
         let ms = Literal::u64_unsuffixed(ms);
@@ -143,7 +173,7 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
     let bind_guard = args
         .guard
         .as_ref()
-        .map(|name| quote!(let #name: &::distlock::LockGuard = &#guard;));
+        .map(|name| quote!(let #name: &#guard_type = &#guard;));
 
     let LockFn {
         attrs,
@@ -161,14 +191,14 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
         #vis #sig {
             #(#inner)*
             #get_manager
-            let #guard = match ::distlock::__private::acquire(
-                #manager.#request(#key #permits).template(#template_text) #options
+            let #guard = match ::distlock::__private::#acquire(
+                #manager.#request #options
             ).await {
                 ::core::result::Result::Ok(#guard) => #guard,
                 #on_error
             };
             #bind_guard
-            let #output = ::distlock::__private::run(&#guard, #on_lost, async move {
+            let #output = ::distlock::__private::#run(&#guard, #on_lost, async move {
                 // Gives the block the function's return type, so `?` and `return` inside
                 // it convert exactly as they would in the original body.
                 #[allow(unreachable_code, clippy::diverging_sub_expression, clippy::empty_loop)]
@@ -184,7 +214,7 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
                 ::core::result::Result::Err(#error) => return #fail,
             };
             if let ::core::result::Result::Err(#error) =
-                ::distlock::__private::release(#guard, #on_lost).await
+                ::distlock::__private::#release(#guard, #on_lost).await
             {
                 return #fail;
             }

@@ -5,7 +5,7 @@ pub use std::format;
 
 use std::future::Future;
 
-use crate::{LockError, LockGuard, LockManager, LockRequest};
+use crate::{LockError, LockGuard, LockManager, LockRequest, MultiGuard, MultiLockRequest};
 
 /// The installed manager, or the error that says how to install one.
 pub fn installed() -> Result<&'static LockManager, LockError> {
@@ -144,4 +144,60 @@ pub async fn release(guard: LockGuard, on_lost: OnLost) -> Result<(), LockError>
             Ok(())
         }
     }
+}
+
+/// Takes the locks of an annotated call with `keys = […]`; see [`acquire`].
+pub async fn acquire_all(request: MultiLockRequest<'_>) -> Result<MultiGuard, LockError> {
+    request.unrecorded().acquire().await
+}
+
+/// [`run`] for a set of locks: the body's frame holds every lock of the set.
+pub async fn run_all<F: Future>(
+    guard: &MultiGuard,
+    on_lost: OnLost,
+    body: F,
+) -> Result<F::Output, LockError> {
+    let body = crate::context::run_holding(guard.held(), body);
+    match on_lost {
+        OnLost::Abort => {
+            tokio::select! {
+                biased;
+                output = body => Ok(output),
+                lost = guard.lost() => {
+                    tracing::warn!(keys = ?guard.keys(), "lease lost: the body was stopped");
+                    Err(lost)
+                }
+            }
+        }
+        OnLost::Error => {
+            let output = body.await;
+            if guard.is_lost() {
+                return Err(guard.lost().await);
+            }
+            Ok(output)
+        }
+        OnLost::Continue => Ok(body.await),
+    }
+}
+
+/// [`release`] for a set of locks.
+pub async fn release_all(guard: MultiGuard, on_lost: OnLost) -> Result<(), LockError> {
+    let keys = guard.keys().to_vec();
+    match guard.release().await {
+        Ok(()) => Ok(()),
+        Err(error @ LockError::Lost { .. }) if on_lost != OnLost::Continue => Err(error),
+        Err(error @ LockError::Lost { .. }) => {
+            tracing::warn!(?keys, %error, "the lease ended before the body finished");
+            Ok(())
+        }
+        Err(error) => {
+            tracing::warn!(?keys, %error, "release failed; the leases will expire");
+            Ok(())
+        }
+    }
+}
+
+/// One key of `keys = […]`, as the set request takes it.
+pub fn set_key(key: impl Into<std::string::String>) -> std::string::String {
+    key.into()
 }

@@ -23,6 +23,10 @@ use redis::{
 };
 
 use crate::scripts;
+use crate::security::Security;
+
+mod sets;
+pub(crate) use sets::{SetAttempt, SetKey, SetRequest};
 
 /// The answer to one acquire attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,7 +42,7 @@ pub(crate) enum Attempt {
 }
 
 /// How a backend connects.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct ConnectOptions {
     pub(crate) connect_timeout: Duration,
     pub(crate) response_timeout: Duration,
@@ -46,6 +50,8 @@ pub(crate) struct ConnectOptions {
     pub(crate) sync_replicas: Option<(u32, Duration)>,
     /// How long a RedLock master that restarted stays out of quorums.
     pub(crate) restart_delay: Duration,
+    /// Credentials and TLS material beyond what the URLs say.
+    pub(crate) security: Arc<Security>,
 }
 
 /// One Redis server (or anything that speaks to one endpoint).
@@ -78,6 +84,7 @@ struct Pool {
     cluster: Option<ClusterClient>,
     /// The server's native compare-and-delete, as found at `build()`.
     delete: Mutex<NativeDelete>,
+    security: Arc<Security>,
 }
 
 /// A server's native compare-and-delete, if it has one; without, a small script does it.
@@ -150,7 +157,7 @@ impl Node {
         sentinel: Option<Sentinel>,
         cluster: Option<ClusterClient>,
     ) -> RedisResult<Self> {
-        let client = Client::open(url)?;
+        let client = options.security.client(url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(options.connect_timeout))
             .set_response_timeout(Some(options.response_timeout))
@@ -171,6 +178,7 @@ impl Node {
                 by_runtime: Mutex::new(HashMap::new()),
                 replicated: Mutex::new(HashMap::new()),
                 delete: Mutex::new(NativeDelete::Script),
+                security: options.security,
             }),
         };
         Ok(node)
@@ -187,6 +195,7 @@ impl Node {
             sentinels: sentinels.to_vec(),
             master: master.to_owned(),
             refreshing: AtomicBool::new(false),
+            security: options.security.clone(),
         };
         let master = source.resolve(options.connect_timeout).await?;
         Self::with(master, options, Some(source), None)
@@ -197,10 +206,10 @@ impl Node {
         let first = seeds
             .first()
             .ok_or_else(|| RedisError::from(io::Error::other("no Cluster seed given")))?;
-        let cluster = ClusterClient::builder(seeds.to_vec())
+        let builder = ClusterClient::builder(seeds.to_vec())
             .connection_timeout(options.connect_timeout)
-            .response_timeout(options.response_timeout)
-            .build()?;
+            .response_timeout(options.response_timeout);
+        let cluster = options.security.cluster(builder).build()?;
         Self::with(first.as_str(), options, None, Some(cluster))
     }
 
@@ -249,7 +258,7 @@ impl Node {
             return;
         };
         match sentinel.resolve(self.pool.connect_timeout).await {
-            Ok(master) => match Client::open(master) {
+            Ok(master) => match self.pool.security.client(master) {
                 Ok(client) => {
                     let master = client.get_connection_info().addr().to_string();
                     let moved = {
@@ -289,8 +298,12 @@ impl Node {
         let delete = self.native_delete(&mut conn).await;
         *self.pool.delete.lock().unwrap_or_else(|e| e.into_inner()) = delete;
         if !self.is_cluster() {
-            let run_id = self.run_id().await?;
-            self.lock_identity().run_id = Some(run_id);
+            match self.run_id().await {
+                Ok(run_id) => self.lock_identity().run_id = Some(run_id),
+                // INFO is `@dangerous`: a user without it works, unchecked for restarts.
+                Err(error) if denied(&error) => self.lock_identity().unchecked = true,
+                Err(error) => return Err(error),
+            }
         }
         Ok(())
     }
@@ -316,6 +329,42 @@ impl Node {
     /// The native compare-and-delete found at `build()`.
     pub(crate) fn delete(&self) -> NativeDelete {
         *self.pool.delete.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether INFO was denied at `load_scripts`, so that a restart cannot be noticed.
+    pub(crate) fn identity_unchecked(&self) -> bool {
+        self.lock_identity().unchecked
+    }
+
+    /// Sends the first of `cmds` that the user may run to the master behind this node (on
+    /// Cluster: to every master), and returns its index and each answer with the master's
+    /// address; the error of the last one when every one is denied.
+    pub(crate) async fn ask_masters(
+        &self,
+        cmds: &[redis::Cmd],
+    ) -> RedisResult<(usize, Vec<(String, redis::Value)>)> {
+        use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+        let mut last = None;
+        for (at, cmd) in cmds.iter().enumerate() {
+            let answers = match self.conn().await? {
+                Conn::Cluster(mut conn) => {
+                    let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                    let answers = self.bounded(conn.route_command(cmd.clone(), all)).await;
+                    answers.and_then(|a| Ok(redis::from_redis_value(a)?))
+                }
+                Conn::Single(mut conn) => {
+                    let master = self.client().get_connection_info().addr().to_string();
+                    let answer = self.watch(self.bounded(cmd.query_async(&mut conn)).await);
+                    answer.map(|answer| vec![(master, answer)])
+                }
+            };
+            match answers {
+                Ok(answers) => return Ok((at, answers)),
+                Err(error) if denied(&error) => last = Some(error),
+                Err(error) => return Err(error),
+            }
+        }
+        Err(last.unwrap_or_else(|| io::Error::other("no command to send").into()))
     }
 
     fn lock_identity(&self) -> std::sync::MutexGuard<'_, Identity> {
@@ -344,6 +393,9 @@ impl Node {
     pub(crate) async fn eligible(&self) -> bool {
         let (suspect, known) = {
             let identity = self.lock_identity();
+            if identity.unchecked {
+                return true;
+            }
             if identity
                 .excluded_until
                 .is_some_and(|until| std::time::Instant::now() < until)
@@ -635,6 +687,14 @@ impl Node {
             Ok(deleted) => Ok(deleted == 1),
             // Another kind's hash at the key: not this owner's lock.
             Err(error) if error.code() == Some("WRONGTYPE") => Ok(false),
+            // A user whose ACL does not list the native command: the script from now on.
+            Err(error) if denied(&error) => {
+                tracing::info!(
+                    "the native compare-and-delete is denied by the ACL; using a script"
+                );
+                *self.pool.delete.lock().unwrap_or_else(|e| e.into_inner()) = NativeDelete::Script;
+                Box::pin(self.unlock(conn, ids, keep)).await
+            }
             Err(error) => self.watch(Err(error)),
         }
     }
@@ -746,6 +806,22 @@ struct Identity {
     suspect: bool,
     /// Restarted: not counted in quorums until then.
     excluded_until: Option<std::time::Instant>,
+    /// INFO is denied to the user: restarts cannot be noticed.
+    unchecked: bool,
+}
+
+/// Whether the server refused a command to this user (NOPERM), or does not know it (renamed
+/// away, as managed services do).
+pub(crate) fn denied(error: &RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    match error.kind() {
+        ErrorKind::Server(ServerErrorKind::NoPerm) => true,
+        ErrorKind::Server(ServerErrorKind::ResponseError) => {
+            let text = error.to_string();
+            text.contains("unknown command") || text.contains("NOPERM")
+        }
+        _ => false,
+    }
 }
 
 /// Where a Sentinel-managed master is found.
@@ -753,6 +829,7 @@ struct Sentinel {
     sentinels: Vec<String>,
     master: String,
     refreshing: AtomicBool,
+    security: Arc<Security>,
 }
 
 impl Sentinel {
@@ -769,7 +846,7 @@ impl Sentinel {
                 }
             };
             let ask = async {
-                let client = Client::open(info.clone())?;
+                let client = self.security.tls_client(info.clone())?;
                 let mut conn = client.get_multiplexed_async_connection().await?;
                 let addr: Option<(String, u16)> = redis::cmd("SENTINEL")
                     .arg("get-master-addr-by-name")
@@ -1012,7 +1089,7 @@ impl Backend {
     pub(crate) async fn connect(urls: &[String], options: ConnectOptions) -> RedisResult<Self> {
         let nodes = urls
             .iter()
-            .map(|url| Node::new(url, options))
+            .map(|url| Node::new(url, options.clone()))
             .collect::<RedisResult<Vec<_>>>()?;
         let quorum = nodes.len() / 2 + 1;
         let loaded = join_all(nodes.iter().map(Node::load_scripts)).await;
@@ -1020,6 +1097,14 @@ impl Backend {
         if reachable < quorum {
             let first = loaded.into_iter().find_map(Result::err);
             return Err(first.unwrap_or_else(|| io::Error::other("no node reachable").into()));
+        }
+        let unchecked = nodes.iter().filter(|n| n.identity_unchecked()).count();
+        if nodes.len() > 1 && unchecked > 0 {
+            tracing::warn!(
+                masters = unchecked,
+                "INFO is denied to this user: a RedLock master that restarts (and forgets its \
+                 locks) cannot be noticed and kept out of quorums; allow `+info` to check"
+            );
         }
         Ok(Self {
             nodes: nodes.into(),
@@ -1034,6 +1119,29 @@ impl Backend {
         }
     }
 
+    /// Runs `op` on every master at once, each bounded by `limit`; a master kept out of
+    /// quorums after a restart answers with an error instead.
+    pub(crate) async fn on_eligible<'a, T, Fut>(
+        &'a self,
+        limit: Duration,
+        op: impl Fn(&'a Node) -> Fut,
+    ) -> Vec<RedisResult<T>>
+    where
+        Fut: Future<Output = RedisResult<T>>,
+    {
+        let eligible = join_all(self.nodes.iter().map(Node::eligible)).await;
+        let attempts = self.nodes.iter().zip(eligible).map(|(node, eligible)| {
+            let attempt = eligible.then(|| op(node));
+            async move {
+                match attempt {
+                    Some(attempt) => bounded(limit, attempt).await,
+                    None => Err(io::Error::other("master out of quorum after a restart").into()),
+                }
+            }
+        });
+        join_all(attempts).await
+    }
+
     /// The node that carries wake-up messages.
     fn first(&self) -> &Node {
         &self.nodes[0]
@@ -1046,19 +1154,7 @@ impl Backend {
         }
         let limit = node_limit(req.lease);
         let started = std::time::Instant::now();
-        let eligible = join_all(self.nodes.iter().map(Node::eligible)).await;
-        let attempts = self
-            .nodes
-            .iter()
-            .zip(&eligible)
-            .map(|(node, eligible)| async move {
-                if *eligible {
-                    bounded(limit, node.acquire(req)).await
-                } else {
-                    Err(io::Error::other("master out of quorum after a restart").into())
-                }
-            });
-        let answers = join_all(attempts).await;
+        let answers = self.on_eligible(limit, |node| node.acquire(req)).await;
         let elapsed = started.elapsed();
         let drift = req.lease / 100 + Duration::from_millis(2);
         let mut held = 0;
@@ -1089,8 +1185,9 @@ impl Backend {
         if held >= self.quorum && elapsed + drift < req.lease {
             return Ok(Attempt::Held { fence });
         }
-        // Not held: give back whatever was granted, on every node, before answering.
-        if held > 0 {
+        // Not held: give back whatever was granted, on every node, before answering. A node
+        // that did not answer in time may still apply the grant late: it is told too.
+        if held > 0 || failed > 0 {
             let ids = req.hold_ids();
             let releases = self
                 .nodes
@@ -1219,11 +1316,13 @@ impl Backend {
         self.first().pubsub().await
     }
 
-    /// Whether the client may send a request again by itself after a lost reply (the Cluster
-    /// client does, and its retries cannot be told apart from redirections): a release that
-    /// then finds its hold gone may be its own first send's doing.
-    pub(crate) fn resends_by_itself(&self) -> bool {
-        self.single().is_some_and(Node::is_cluster)
+    /// Sends `cmd` to every master and returns each node's answers (see
+    /// [`Node::ask_masters`]).
+    pub(crate) async fn ask_masters(
+        &self,
+        cmds: &[redis::Cmd],
+    ) -> Vec<RedisResult<(usize, Vec<(String, redis::Value)>)>> {
+        join_all(self.nodes.iter().map(|n| n.ask_masters(cmds))).await
     }
 
     /// Whether this backend spreads each lock over independent masters.

@@ -99,6 +99,19 @@ pub(crate) fn find(manager: usize, lock: &str) -> Option<Arc<Held>> {
         .flatten()
 }
 
+/// How many holds of `lock` of `manager` the current frame sees (several permits, say).
+pub(crate) fn count(manager: usize, lock: &str) -> usize {
+    FRAME
+        .try_with(|held| {
+            held.borrow()
+                .iter()
+                .filter_map(Weak::upgrade)
+                .filter(|h| h.manager == manager && h.lock == lock)
+                .count()
+        })
+        .unwrap_or(0)
+}
+
 /// Records `held` in the current frame, if there is one.
 pub(crate) fn record(held: &Arc<Held>) {
     let _ = FRAME.try_with(|list| {
@@ -109,7 +122,10 @@ pub(crate) fn record(held: &Arc<Held>) {
 }
 
 /// Runs `body` in a frame of its own that starts with the holds visible here, plus `held`.
-pub(crate) async fn run_holding<F: Future>(held: Option<&Arc<Held>>, body: F) -> F::Output {
+pub(crate) async fn run_holding<'h, F: Future>(
+    held: impl IntoIterator<Item = &'h Arc<Held>>,
+    body: F,
+) -> F::Output {
     let mut list = FRAME
         .try_with(|list| {
             list.borrow()
@@ -119,7 +135,7 @@ pub(crate) async fn run_holding<F: Future>(held: Option<&Arc<Held>>, body: F) ->
                 .collect()
         })
         .unwrap_or_else(|_| Vec::new());
-    list.extend(held.map(Arc::downgrade));
+    list.extend(held.into_iter().map(Arc::downgrade));
     FRAME.scope(RefCell::new(list), body).await
 }
 
@@ -134,5 +150,5 @@ pub(crate) async fn run_holding<F: Future>(held: Option<&Arc<Held>>, body: F) ->
 /// own to exclude each other: branches of one scope share its holds, as nested code does.
 /// Contexts do not cross `tokio::spawn`: a spawned task is a different owner.
 pub async fn scope<F: Future>(body: F) -> F::Output {
-    run_holding(None, body).await
+    run_holding([], body).await
 }

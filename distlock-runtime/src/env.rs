@@ -42,6 +42,8 @@ impl LockManagerBuilder {
     /// | `DISTLOCK_KEY_PREFIX` | the key prefix |
     /// | `DISTLOCK_DEFAULT_TTL` | the default lease: `30s`, `500ms`, `2m`, `1h` |
     /// | `DISTLOCK_CONNECT_TIMEOUT`, `DISTLOCK_RESPONSE_TIMEOUT` | durations, as above |
+    /// | `DISTLOCK_TLS_CA_FILE` | a PEM file of CA certificates to trust for `rediss://` (see [`tls_ca_certificate`](Self::tls_ca_certificate)) |
+    /// | `DISTLOCK_TLS_CERT_FILE` + `DISTLOCK_TLS_KEY_FILE` | PEM files of a client certificate and its key (see [`tls_client_certificate`](Self::tls_client_certificate)) |
     ///
     /// Exactly one topology may be set. A bad value is a [`LockError::Config`] that names
     /// the variable (and never shows a password).
@@ -117,6 +119,23 @@ impl LockManagerBuilder {
         if let Some(timeout) = duration_var(&get, "DISTLOCK_RESPONSE_TIMEOUT")? {
             builder = builder.response_timeout(timeout);
         }
+        if let Some(ca) = file_var(&get, "DISTLOCK_TLS_CA_FILE")? {
+            builder = builder.tls_ca_certificate(ca);
+        }
+        match (
+            file_var(&get, "DISTLOCK_TLS_CERT_FILE")?,
+            file_var(&get, "DISTLOCK_TLS_KEY_FILE")?,
+        ) {
+            (Some(cert), Some(key)) => builder = builder.tls_client_certificate(cert, key),
+            (None, None) => {}
+            (Some(_), None) | (None, Some(_)) => {
+                return Err(LockError::Config(
+                    "DISTLOCK_TLS_CERT_FILE and DISTLOCK_TLS_KEY_FILE go together: set both or \
+                     neither"
+                        .into(),
+                ));
+            }
+        }
         Ok(builder)
     }
 }
@@ -164,6 +183,20 @@ fn check_url(name: &str, url: &str) -> Result<(), LockError> {
             redact_url(url)
         )))
     }
+}
+
+/// The contents of the file the variable names (never quoted in errors: it may be a key).
+fn file_var<'a>(
+    get: &impl Fn(&str) -> Option<&'a str>,
+    name: &str,
+) -> Result<Option<Vec<u8>>, LockError> {
+    get(name)
+        .map(|path| {
+            std::fs::read(path).map_err(|error| {
+                LockError::Config(format!("{name}: cannot read `{path}`: {error}"))
+            })
+        })
+        .transpose()
 }
 
 fn duration_var<'a>(
@@ -293,5 +326,39 @@ mod tests {
         assert!(master.contains("DISTLOCK_SENTINEL_MASTER"), "{master}");
         let empty = config_error(&[("DISTLOCK_REDLOCK", " , ")]);
         assert!(empty.contains("DISTLOCK_REDLOCK"), "{empty}");
+        let missing = config_error(&[
+            ("DISTLOCK_URL", "rediss://a:1"),
+            ("DISTLOCK_TLS_CA_FILE", "/nonexistent/ca.pem"),
+        ]);
+        assert!(
+            missing.contains("DISTLOCK_TLS_CA_FILE") && missing.contains("/nonexistent/ca.pem"),
+            "{missing}"
+        );
+        let half = config_error(&[
+            ("DISTLOCK_URL", "rediss://a:1"),
+            ("DISTLOCK_TLS_KEY_FILE", "/dev/null"),
+        ]);
+        assert!(half.contains("DISTLOCK_TLS_CERT_FILE"), "{half}");
+    }
+
+    #[test]
+    fn tls_files_are_read() {
+        let dir = std::env::temp_dir().join(format!("distlock-env-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (ca, cert, key) = (dir.join("ca.pem"), dir.join("c.pem"), dir.join("k.pem"));
+        for file in [&ca, &cert, &key] {
+            std::fs::write(file, "pem").unwrap();
+        }
+        let builder = LockManagerBuilder::from_vars([
+            ("DISTLOCK_URL", "rediss://a:1"),
+            ("DISTLOCK_TLS_CA_FILE", ca.to_str().unwrap()),
+            ("DISTLOCK_TLS_CERT_FILE", cert.to_str().unwrap()),
+            ("DISTLOCK_TLS_KEY_FILE", key.to_str().unwrap()),
+        ])
+        .unwrap();
+        let debug = format!("{builder:?}");
+        assert!(debug.contains("tls_ca_certificate: Some"), "{debug}");
+        assert!(debug.contains("tls_client_certificate: Some"), "{debug}");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }

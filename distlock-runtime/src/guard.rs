@@ -41,6 +41,7 @@ pub(crate) struct Parts {
     pub(crate) renewal: Option<Registration>,
     /// The hold on the server, shared with the other guards of this owner that nest in it.
     pub(crate) held: Arc<Held>,
+    pub(crate) metrics: crate::metrics::Labels,
 }
 
 /// Proof that this owner holds a lock. Dropping it releases the lock.
@@ -276,14 +277,8 @@ impl LockGuard {
                     tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "released");
                     Ok(())
                 }
-                // The first attempt may have released it before its reply was lost (ours, or
-                // one the client resent by itself).
-                Ok(false)
-                    if (retried || inner.backend.resends_by_itself())
-                        && !self.parts.lease.is_lost() =>
-                {
-                    Ok(())
-                }
+                // The first attempt may have released it before its reply was lost.
+                Ok(false) if retried && !self.parts.lease.is_lost() => Ok(()),
                 Ok(false) => {
                     self.parts.lease.mark_lost();
                     Err(self.lost_error())
@@ -319,6 +314,8 @@ impl LockGuard {
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
+        let lost = self.is_lost() && !self.given_back_by_shutdown();
+        crate::metrics::hold_ended(self.parts.metrics, self.parts.acquired.sent, lost);
         self.parts.renewal = None;
         if self.unlist() && self.parts.held.leave() {
             let keep_until = self.parts.held.keep_until();
@@ -428,9 +425,9 @@ async fn release_logged(inner: Arc<Inner>, ids: HoldIds, keep_until: Option<Inst
 /// A hold as the manager lists it, for [`LockManager::shutdown`].
 #[derive(Debug)]
 pub(crate) struct Live {
-    ids: HoldIds,
-    keep_until: Option<Instant>,
-    lease: Arc<LeaseState>,
+    pub(crate) ids: HoldIds,
+    pub(crate) keep_until: Option<Instant>,
+    pub(crate) lease: Arc<LeaseState>,
 }
 
 /// Every hold of one manager that is still to be given back, and whether it shut down.
@@ -452,7 +449,7 @@ impl Holds {
     }
 
     /// Lists a new hold; `None` once the manager has shut down.
-    fn list(&self, live: Live) -> Option<u64> {
+    pub(crate) fn list(&self, live: Live) -> Option<u64> {
         let mut listed = self.lock();
         if self.is_shut_down() {
             return None;
@@ -464,11 +461,11 @@ impl Holds {
     }
 
     /// Takes a hold off the list; `false` when shutdown took it first.
-    fn unlist(&self, id: u64) -> bool {
+    pub(crate) fn unlist(&self, id: u64) -> bool {
         self.lock().by_id.remove(&id).is_some()
     }
 
-    fn is_listed(&self, id: u64) -> bool {
+    pub(crate) fn is_listed(&self, id: u64) -> bool {
         self.lock().by_id.contains_key(&id)
     }
 

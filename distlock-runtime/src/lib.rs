@@ -23,6 +23,7 @@
     unreachable_pub
 )]
 
+mod acl;
 mod backend;
 mod context;
 mod driver;
@@ -33,8 +34,11 @@ mod key;
 mod lease;
 mod lock;
 mod manager;
+pub mod metrics;
+mod multi;
 mod retry;
 mod scripts;
+mod security;
 mod waiters;
 mod watchdog;
 
@@ -50,3 +54,4 @@ pub use guard::LockGuard;
 pub use key::MAX_KEY_LEN;
 pub use lock::{LockRequest, MAX_TTL};
 pub use manager::{LockManager, LockManagerBuilder, Stats};
+pub use multi::{MultiGuard, MultiLockRequest};

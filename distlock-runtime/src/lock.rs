@@ -103,6 +103,7 @@ struct Plan {
     max_hold: Option<Duration>,
     reentrant: bool,
     min_hold: Option<Duration>,
+    metrics: crate::metrics::Labels,
 }
 
 impl<'m> LockRequest<'m> {
@@ -204,6 +205,14 @@ impl<'m> LockRequest<'m> {
         self
     }
 
+    /// Names this request in metrics and tracing (the `template` label), in place of
+    /// `<manual>`. Give the shape of the key, such as `"order:{id}"`, never the key itself: one
+    /// name per kind of lock keeps the number of series small. Annotated functions pass their
+    /// key template.
+    pub fn label(self, label: &'static str) -> Self {
+        self.template(label)
+    }
+
     #[doc(hidden)]
     /// The key template this request was formatted from, as a low-cardinality tracing label.
     pub fn template(mut self, template: &'static str) -> Self {
@@ -236,16 +245,19 @@ impl<'m> LockRequest<'m> {
         // Boxed: the acquire loop is a large state machine, and callers nest it in their own
         // futures (sibling branches of `join!`, annotated calls inside annotated calls); kept
         // inline it multiplies their size and, in debug builds, their stack use.
+        let (labels, timer) = (plan.metrics, crate::metrics::Timer::start());
         let acquiring = Box::pin(acquire(self.manager, plan, self.record).instrument(span));
-        let guard = tokio::select! {
-            acquired = acquiring => acquired?,
-            () = holds.until_shut_down() => return Err(LockError::ShutDown),
+        let result = tokio::select! {
+            acquired = acquiring => acquired,
+            () = holds.until_shut_down() => Err(LockError::ShutDown),
         };
-        if guard.came_after_shutdown() {
+        let result = match result {
             // Dropping it gives it back.
-            return Err(LockError::ShutDown);
-        }
-        Ok(guard)
+            Ok(guard) if guard.came_after_shutdown() => Err(LockError::ShutDown),
+            result => result,
+        };
+        crate::metrics::acquire_ended(labels, timer, &result);
+        result
     }
 
     /// Makes exactly one attempt: `Ok(None)` when another owner holds the lock (of any kind).
@@ -316,10 +328,11 @@ impl<'m> LockRequest<'m> {
             (None, None) if defaults.wait.is_some() && defaults.retries == 0 => u32::MAX,
             (None, None) => defaults.retries,
         };
+        let template = self.template.unwrap_or("<manual>");
         Ok(Plan {
             kind: self.kind,
             keys,
-            template: self.template.unwrap_or("<manual>"),
+            template,
             ttl,
             retries,
             backoff: Backoff::new(self.retry_delay.unwrap_or(defaults.retry_delay)),
@@ -329,6 +342,7 @@ impl<'m> LockRequest<'m> {
             max_hold: self.max_hold.or(defaults.max_hold),
             reentrant: self.reentrant,
             min_hold: self.min_hold,
+            metrics: crate::metrics::Labels::new(template, self.kind),
         })
     }
 }
@@ -361,12 +375,15 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
         },
         // Another permit is an independent holder; anything else on the key would wait for
         // this task's own lock.
-        (RequestKind::Permits(_), Some(held)) => {
-            if held.kind != Kind::Permit {
-                return busy_self(false);
-            }
-            false
+        // Unless this code already holds every permit: it would wait for itself.
+        (RequestKind::Permits(permits), Some(held))
+            if held.kind == Kind::Permit
+                && context::count(manager_id, &plan.keys.lock) >= permits as usize =>
+        {
+            return busy_self(false);
         }
+        (RequestKind::Permits(_), Some(held)) if held.kind == Kind::Permit => false,
+        (RequestKind::Permits(_), Some(_)) => return busy_self(false),
     };
     if let (true, Some(held)) = (nest, outer) {
         // The task already owns the lock: counted here, no round trip.
@@ -414,9 +431,13 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
     let join = || {
         inner
             .waiters
-            .join(&request.wake, &inner.backend, &inner.driver)
+            .join(&request.wake, &inner.backend, &inner.driver, plan.metrics)
     };
-    let mut ticket = (queues && inner.waiters.has_waiters(&request.wake)).then(join);
+    // Readers and permit holders try first: the waiters ahead may want another kind, while
+    // this request may overlap the holders (a free permit, readers inside); queueing it
+    // behind them could make it wait for a lock the server would grant, even for itself.
+    let shares = matches!(plan.kind, RequestKind::Read | RequestKind::Permits(_));
+    let mut ticket = (queues && !shares && inner.waiters.has_waiters(&request.wake)).then(join);
     let mut failure: Option<redis::RedisError>;
     let mut attempts = 0u32;
     loop {
@@ -438,6 +459,7 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
         }
         let seen = ticket.as_ref().map(Ticket::wakes);
         attempts += 1;
+        crate::metrics::attempt(plan.metrics);
         let sent = Instant::now();
         in_flight.maybe_held = true;
         let attempt = request.clone();
@@ -448,6 +470,7 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
             Ok(Attempt::Held { fence }) => {
                 in_flight.maybe_held = false;
                 drop(in_flight);
+                crate::metrics::handed_over(plan.metrics, ticket.is_some());
                 let acquired = Acquired {
                     attempts,
                     waited: started.elapsed(),
@@ -550,6 +573,7 @@ fn grant(
             lock: request.lock.clone(),
             share: share.clone(),
             token: request.token.clone(),
+            metrics: plan.metrics,
         };
         inner
             .watchdog
@@ -580,6 +604,7 @@ fn grant(
         acquired,
         renewal,
         held,
+        metrics: plan.metrics,
     })
 }
 
@@ -598,6 +623,7 @@ fn nested(manager: &LockManager, plan: Plan, held: Arc<Held>) -> LockGuard {
             lock: held.lock.clone(),
             share: share.clone(),
             token: held.token.clone(),
+            metrics: plan.metrics,
         };
         inner
             .watchdog
@@ -618,6 +644,7 @@ fn nested(manager: &LockManager, plan: Plan, held: Arc<Held>) -> LockGuard {
         },
         renewal,
         held,
+        metrics: plan.metrics,
     })
 }
 
@@ -668,7 +695,7 @@ fn shape_of(kind: RequestKind, plan: &Plan, token: &str) -> (Shape, Kind) {
     }
 }
 
-fn new_token() -> String {
+pub(crate) fn new_token() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
 
@@ -676,7 +703,7 @@ fn new_token() -> String {
 /// Connection failures, and server answers that say "not now" (TRYAGAIN, CLUSTERDOWN,
 /// MASTERDOWN, LOADING, READONLY during a failover, …): retried within the request's
 /// bounds, and reported as the Redis error they are, never as busy, if the bounds run out.
-fn is_transient(error: &redis::RedisError) -> bool {
+pub(crate) fn is_transient(error: &redis::RedisError) -> bool {
     error.is_io_error()
         || error.is_timeout()
         || error.is_connection_dropped()

@@ -6,11 +6,12 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crate::LockError;
-use crate::backend::{Backend, ConnectOptions};
+use crate::backend::{self, Backend, ConnectOptions};
 use crate::driver::Driver;
 use crate::guard::Holds;
 use crate::key;
 use crate::lock::{LockRequest, MAX_TTL, RequestKind, check_ttl};
+use crate::security::{Credentials, Security, Tls};
 use crate::waiters::Waiters;
 use crate::watchdog::Watchdog;
 
@@ -261,6 +262,8 @@ pub struct LockManagerBuilder {
     response_timeout: Duration,
     sync_replicas: Option<(u32, Duration)>,
     restart_delay: Option<Duration>,
+    security: Security,
+    require_noeviction: bool,
 }
 
 impl Default for LockManagerBuilder {
@@ -282,6 +285,8 @@ impl Default for LockManagerBuilder {
             response_timeout: Duration::from_secs(1),
             sync_replicas: None,
             restart_delay: None,
+            security: Security::default(),
+            require_noeviction: false,
         }
     }
 }
@@ -301,6 +306,8 @@ impl fmt::Debug for LockManagerBuilder {
             .field("redlock_restart_delay", &self.restart_delay)
             .field("connect_timeout", &self.connect_timeout)
             .field("response_timeout", &self.response_timeout)
+            .field("security", &self.security)
+            .field("require_noeviction", &self.require_noeviction)
             .finish()
     }
 }
@@ -448,7 +455,59 @@ impl LockManagerBuilder {
         self
     }
 
+    /// Connects to the data nodes as the ACL user `username` with `password`, instead of
+    /// the user name and password of their URLs (use `"default"` for a server that only sets
+    /// `requirepass`). Works on every topology; with [`sentinel`](Self::sentinel) it applies
+    /// to the master only, while the Sentinels keep the credentials of their URLs.
+    ///
+    /// The password never appears in `Debug` output, errors or logs. The README's ACL section
+    /// gives the permissions the user needs.
+    pub fn credentials(mut self, username: impl Into<String>, password: impl Into<String>) -> Self {
+        self.security.credentials = Some(Credentials {
+            username: Some(username.into()),
+            password: password.into(),
+        });
+        self
+    }
+
+    /// Trusts the certificate authorities in `pem` (PEM text, one or more certificates)
+    /// instead of the system's roots, for every `rediss://` connection. Needs the `tls`
+    /// feature.
+    pub fn tls_ca_certificate(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.security.tls.get_or_insert_with(Tls::default).ca = Some(pem.into());
+        self
+    }
+
+    /// Presents the certificate chain `cert_pem` and its private key `key_pem` (PEM text) to
+    /// servers that ask for a client certificate (`tls-auth-clients yes`), on every `rediss://`
+    /// connection. Needs the `tls` feature.
+    pub fn tls_client_certificate(
+        mut self,
+        cert_pem: impl Into<Vec<u8>>,
+        key_pem: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.security.tls.get_or_insert_with(Tls::default).client =
+            Some((cert_pem.into(), key_pem.into()));
+        self
+    }
+
+    /// Refuses to build when a master may evict keys under memory pressure: when its
+    /// `maxmemory-policy` is anything but `noeviction`, or cannot be read (default `false`:
+    /// build, and warn through `tracing`).
+    ///
+    /// Lock keys carry a TTL, so every `volatile-*` policy (and every `allkeys-*` one) may
+    /// delete a held lock when the server runs out of memory, and hand it to another owner
+    /// while the first still works under it.
+    pub fn require_noeviction(mut self, require: bool) -> Self {
+        self.require_noeviction = require;
+        self
+    }
+
     /// Checks the configuration, connects, and loads the scripts.
+    ///
+    /// It also reads every master's `maxmemory-policy` (see
+    /// [`require_noeviction`](Self::require_noeviction)), and fails with
+    /// [`LockError::Config`] naming the command when the user lacks a permission it needs.
     pub async fn build(self) -> Result<LockManager, LockError> {
         if self.urls.is_empty() {
             return Err(LockError::Config(
@@ -478,7 +537,10 @@ impl LockManagerBuilder {
                 .sync_replicas
                 .map(|(replicas, timeout)| (replicas, timeout.min(MAX_TTL))),
             restart_delay: self.restart_delay.unwrap_or(self.defaults.ttl).min(MAX_TTL),
+            security: Arc::new(self.security.clone()),
         };
+        let (connect_timeout, response_timeout) =
+            (options.connect_timeout, options.response_timeout);
         // Connect from the caller's runtime, which is where its requests will come from.
         if self.cluster && self.sync_replicas.is_some() {
             return Err(LockError::Config(
@@ -486,11 +548,19 @@ impl LockManagerBuilder {
             ));
         }
         let (master, cluster) = (self.sentinel_master.clone(), self.cluster);
+        let require_noeviction = self.require_noeviction;
+        let target_of_connect = target.clone();
         let connect = async move {
-            match master {
+            let backend = match master {
                 Some(master) => Backend::connect_sentinel(&urls, &master, options).await,
                 None if cluster => Backend::connect_cluster(&urls, options).await,
                 None => Backend::connect(&urls, options).await,
+            };
+            match backend {
+                Ok(backend) => check_eviction(&backend, require_noeviction)
+                    .await
+                    .map(|()| backend),
+                Err(error) => Err(connect_error(&target_of_connect, error)),
             }
         };
         let connected = if tokio::runtime::Handle::try_current().is_ok() {
@@ -498,15 +568,14 @@ impl LockManagerBuilder {
         } else {
             driver.run(connect).await?
         };
-        let backend =
-            connected.map_err(|e| LockError::Config(format!("cannot connect to {target}: {e}")))?;
+        let backend = connected?;
         tracing::debug!(target = %target, prefix = %self.prefix, "lock manager connected");
         Ok(LockManager {
             inner: Arc::new(Inner {
                 backend,
                 driver: Arc::new(driver),
                 watchdog: Watchdog::default(),
-                waiters: Waiters::new(options.connect_timeout, options.response_timeout),
+                waiters: Waiters::new(connect_timeout, response_timeout),
                 holds: Holds::default(),
                 prefix: self.prefix,
                 defaults: self.defaults,
@@ -517,6 +586,7 @@ impl LockManagerBuilder {
 
     fn check(&self) -> Result<(), LockError> {
         key::validate_prefix(&self.prefix)?;
+        self.security.check(&self.urls)?;
         check_ttl(self.defaults.ttl)
             .map_err(|reason| LockError::Config(format!("`default_ttl` {reason}")))?;
         let positive = [
@@ -539,6 +609,99 @@ impl LockManagerBuilder {
         }
         Ok(())
     }
+}
+
+/// A connection failure at `build`, as a [`LockError::Config`]; a missing permission says so
+/// (the server's message names the command).
+fn connect_error(target: &str, error: redis::RedisError) -> LockError {
+    if backend::denied(&error) {
+        LockError::Config(format!(
+            "the Redis user at {target} lacks a permission distlock needs ({error}); see the \
+             README's ACL section for the rule to grant"
+        ))
+    } else {
+        LockError::Config(format!("cannot connect to {target}: {error}"))
+    }
+}
+
+/// Reads every master's `maxmemory-policy` (CONFIG GET, else INFO memory) and warns about, or
+/// with `require` refuses, any policy that may evict a held lock.
+async fn check_eviction(backend: &Backend, require: bool) -> Result<(), LockError> {
+    let config = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("maxmemory-policy")
+        .to_owned();
+    let info = redis::cmd("INFO").arg("memory").to_owned();
+    let mut unknown = 0;
+    for answer in backend.ask_masters(&[config, info]).await {
+        let policies = match answer {
+            Ok((0, masters)) => config_policies(masters),
+            Ok((_, masters)) => info_policies(masters),
+            Err(error) if backend::denied(&error) => {
+                unknown += 1;
+                continue;
+            }
+            // An unreachable RedLock minority: not knowing its policy is no reason to fail.
+            Err(_) => continue,
+        };
+        for (master, policy) in policies {
+            if policy == "noeviction" {
+                continue;
+            }
+            if require {
+                return Err(LockError::Config(format!(
+                    "`require_noeviction`: the master at {master} has maxmemory-policy \
+                     `{policy}`, which may evict held locks; set it to `noeviction`"
+                )));
+            }
+            tracing::warn!(
+                %master,
+                %policy,
+                "maxmemory-policy may evict held locks under memory pressure: set it to \
+                 `noeviction` (or use `require_noeviction` to refuse)"
+            );
+        }
+    }
+    if unknown > 0 {
+        if require {
+            return Err(LockError::Config(
+                "`require_noeviction`: maxmemory-policy cannot be read (CONFIG GET and INFO \
+                 are denied to this user)"
+                    .into(),
+            ));
+        }
+        tracing::warn!(
+            "maxmemory-policy could not be checked (CONFIG GET and INFO are denied to this \
+             user): under memory pressure, a policy other than `noeviction` may evict held locks"
+        );
+    }
+    Ok(())
+}
+
+/// `(master, policy)` from CONFIG GET answers (a map in RESP3, a pair in RESP2).
+fn config_policies(masters: Vec<(String, redis::Value)>) -> Vec<(String, String)> {
+    masters
+        .into_iter()
+        .filter_map(|(master, value)| {
+            let pairs: std::collections::HashMap<String, String> =
+                redis::from_redis_value(value).ok()?;
+            Some((master, pairs.get("maxmemory-policy")?.clone()))
+        })
+        .collect()
+}
+
+/// `(master, policy)` from INFO memory answers.
+fn info_policies(masters: Vec<(String, redis::Value)>) -> Vec<(String, String)> {
+    masters
+        .into_iter()
+        .filter_map(|(master, value)| {
+            let text: String = redis::from_redis_value(value).ok()?;
+            let policy = text
+                .lines()
+                .find_map(|line| line.strip_prefix("maxmemory_policy:"))?;
+            Some((master, policy.trim().to_owned()))
+        })
+        .collect()
 }
 
 /// `url` with any password (and user name) replaced by `***`, for logs and errors.

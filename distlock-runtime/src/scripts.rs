@@ -21,8 +21,12 @@ pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
 });
 
 /// Give back one hold of an exclusive lock if the token still owns it: 1 released, 0 not held.
-pub(crate) static RELEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("scripts/release.lua")));
+pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("scripts/release_hold.lua"),
+        include_str!("scripts/release.lua")
+    ))
+});
 
 /// Set the lease of a held lock: 1 set, 0 not held.
 pub(crate) static EXTEND: LazyLock<Script> = LazyLock::new(|| {
@@ -70,8 +74,24 @@ pub(crate) static SHARE_RELEASE: LazyLock<Script> = LazyLock::new(|| {
     ))
 });
 
+/// Take a set of exclusive locks, all or none: `{1, fence…}` or `{0, index, pttl}`.
+pub(crate) static MULTI_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("scripts/kind.lua"),
+        include_str!("scripts/multi_acquire.lua")
+    ))
+});
+
+/// Give back a set of exclusive locks taken together: one 1/0 per lock.
+pub(crate) static MULTI_RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("scripts/release_hold.lua"),
+        include_str!("scripts/multi_release.lua")
+    ))
+});
+
 /// Every script, for loading them all when a manager connects.
-pub(crate) fn all() -> [&'static Script; 8] {
+pub(crate) fn all() -> [&'static Script; 10] {
     [
         &UNLOCK,
         &ACQUIRE,
@@ -81,6 +101,8 @@ pub(crate) fn all() -> [&'static Script; 8] {
         &WRITE_ACQUIRE,
         &SHARE_ACQUIRE,
         &SHARE_RELEASE,
+        &MULTI_ACQUIRE,
+        &MULTI_RELEASE,
     ]
 }
 

@@ -38,6 +38,8 @@ pub struct RedisServer {
     password: Option<Password>,
     /// Runs as a Sentinel monitoring this (name, master port, quorum).
     sentinel: Option<(String, u16, u32)>,
+    /// Also listens with TLS on this port; [`url`](Self::url) points there.
+    tls_port: Option<u16>,
     child: Mutex<Option<Child>>,
 }
 
@@ -55,6 +57,60 @@ impl RedisServer {
             None,
             Some(Password(password.to_owned())),
         )
+    }
+
+    /// Starts a server with extra `redis-server` arguments, such as
+    /// `["--maxmemory-policy", "volatile-lru"]`.
+    pub fn start_with_args(args: &[&str]) -> io::Result<Self> {
+        Self::start_with(args.iter().map(|&a| a.to_owned()).collect())
+    }
+
+    /// Starts a server that also listens with TLS, on a port of its own, with the server
+    /// certificate of `certs`; with `require_client_cert` it asks clients for a certificate
+    /// signed by the same CA (`tls-auth-clients yes`). Its [`url`](Self::url) is the
+    /// `rediss://` one; the harness's own commands use the plain port. `certs` must outlive
+    /// the server (a restart reads them again).
+    pub fn start_tls(certs: &TestCertificates, require_client_cert: bool) -> io::Result<Self> {
+        let tls_port = free_port()?;
+        let file = |name: &str| certs.dir.join(name).to_string_lossy().into_owned();
+        let auth = if require_client_cert { "yes" } else { "no" };
+        let args = [
+            "--tls-port".to_owned(),
+            tls_port.to_string(),
+            "--tls-cert-file".to_owned(),
+            file("server.crt"),
+            "--tls-key-file".to_owned(),
+            file("server.key"),
+            "--tls-ca-cert-file".to_owned(),
+            file("ca.crt"),
+            "--tls-auth-clients".to_owned(),
+            auth.to_owned(),
+        ];
+        let mut server = Self::start_with(args.to_vec())?;
+        server.tls_port = Some(tls_port);
+        Ok(server)
+    }
+
+    /// Creates (or replaces) the ACL user `name` with `password` and exactly `rules` (as
+    /// `ACL SETUSER` takes them, such as `"~app:*"` or `"+@all"`), starting from nothing.
+    pub fn acl_setuser(&self, name: &str, password: &str, rules: &[&str]) -> io::Result<()> {
+        let pass = format!(">{password}");
+        let mut args = vec!["ACL", "SETUSER", name, "reset", "on", &pass];
+        args.extend_from_slice(rules);
+        let reply = self.command(&args)?;
+        if reply == "+OK" {
+            Ok(())
+        } else {
+            Err(io::Error::other(format!("ACL SETUSER {name}: {reply}")))
+        }
+    }
+
+    /// The URL of this server for the ACL user `name` with `password`.
+    pub fn url_as(&self, name: &str, password: &str) -> String {
+        let url = self.url();
+        let (scheme, rest) = url.split_once("://").unwrap_or(("redis", &url));
+        let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+        format!("{scheme}://{name}:{password}@{host}")
     }
 
     /// Starts a replica of `master` and waits until the master sees it online. A restart
@@ -210,6 +266,7 @@ impl RedisServer {
                 extra: extra.clone(),
                 password: password.clone(),
                 sentinel: sentinel.clone(),
+                tls_port: None,
                 child: Mutex::new(None),
             };
             match server.launch() {
@@ -234,8 +291,12 @@ impl RedisServer {
     }
 
     /// `redis://127.0.0.1:<port>`, or `redis://:<password>@127.0.0.1:<port>` for a server
-    /// started with a password.
+    /// started with a password, or `rediss://127.0.0.1:<tls port>` for one
+    /// [started with TLS](Self::start_tls).
     pub fn url(&self) -> String {
+        if let Some(tls_port) = self.tls_port {
+            return format!("rediss://127.0.0.1:{tls_port}");
+        }
         match &self.password {
             Some(Password(password)) => format!("redis://:{password}@127.0.0.1:{}", self.port),
             None => format!("redis://127.0.0.1:{}", self.port),
@@ -405,6 +466,123 @@ impl RedisServer {
 
     fn lock_child(&self) -> std::sync::MutexGuard<'_, Option<Child>> {
         self.child.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A private certificate authority with a server certificate (for `127.0.0.1` and
+/// `localhost`) and a client certificate signed by it, generated with the `openssl` CLI in a
+/// temporary directory that is removed on drop.
+#[derive(Debug)]
+pub struct TestCertificates {
+    dir: PathBuf,
+}
+
+impl TestCertificates {
+    /// Generates a fresh CA, server certificate and client certificate (ECDSA P-256).
+    pub fn generate() -> io::Result<Self> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("distlock-tls-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let certs = Self { dir };
+        let key = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        let ca_subject = ["-subj", "/CN=distlock test CA", "-days", "2"];
+        certs.openssl(&[
+            &["req", "-x509", "-keyout", "ca.key", "-out", "ca.crt"],
+            &key,
+            &ca_subject,
+        ])?;
+        for (name, usage) in [
+            ("server", "serverAuth,clientAuth"),
+            ("client", "clientAuth"),
+        ] {
+            let (ext, csr, crt) = (
+                format!("{name}.ext"),
+                format!("{name}.csr"),
+                format!("{name}.crt"),
+            );
+            std::fs::write(
+                certs.dir.join(&ext),
+                format!(
+                    "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n\
+                     keyUsage=digitalSignature\nextendedKeyUsage={usage}\n"
+                ),
+            )?;
+            let subject = format!("/CN=distlock test {name}");
+            let keyout = format!("{name}.key");
+            certs.openssl(&[
+                &["req", "-keyout", &keyout, "-out", &csr, "-subj", &subject],
+                &key,
+            ])?;
+            certs.openssl(&[&[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-days",
+                "2",
+                "-out",
+                &crt,
+                "-extfile",
+                &ext,
+            ]])?;
+        }
+        Ok(certs)
+    }
+
+    /// The CA certificate, PEM.
+    pub fn ca_pem(&self) -> io::Result<String> {
+        std::fs::read_to_string(self.dir.join("ca.crt"))
+    }
+
+    /// The client certificate, PEM.
+    pub fn client_cert_pem(&self) -> io::Result<String> {
+        std::fs::read_to_string(self.dir.join("client.crt"))
+    }
+
+    /// The client certificate's private key, PEM.
+    pub fn client_key_pem(&self) -> io::Result<String> {
+        std::fs::read_to_string(self.dir.join("client.key"))
+    }
+
+    /// The path of a generated file: `ca.crt`, `client.crt`, `client.key`, `server.crt`, ….
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    fn openssl(&self, parts: &[&[&str]]) -> io::Result<()> {
+        let args: Vec<&str> = parts.concat();
+        let output = Command::new("openssl")
+            .args(&args)
+            .current_dir(&self.dir)
+            .stdin(Stdio::null())
+            .output()?;
+        if output.status.success() {
+            Ok(())
+        } else {
+            Err(io::Error::other(format!(
+                "openssl {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&output.stderr)
+            )))
+        }
+    }
+}
+
+impl Drop for TestCertificates {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

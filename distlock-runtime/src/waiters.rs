@@ -94,6 +94,7 @@ pub(crate) struct Ticket {
     id: u64,
     shared: Weak<Shared>,
     driver_backend: Option<(Backend, Arc<Driver>)>,
+    _waiting: crate::metrics::Waiting,
 }
 
 impl Waiters {
@@ -136,7 +137,13 @@ impl Waiters {
     }
 
     /// Joins the back of the queue for the lock behind `channel`.
-    pub(crate) fn join(&self, channel: &str, backend: &Backend, driver: &Arc<Driver>) -> Ticket {
+    pub(crate) fn join(
+        &self,
+        channel: &str,
+        backend: &Backend,
+        driver: &Arc<Driver>,
+        metrics: crate::metrics::Labels,
+    ) -> Ticket {
         let key = self
             .shared
             .lock_keys()
@@ -165,6 +172,7 @@ impl Waiters {
             id,
             shared: Arc::downgrade(&self.shared),
             driver_backend: Some((backend.clone(), driver.clone())),
+            _waiting: crate::metrics::Waiting::new(metrics),
         }
     }
 

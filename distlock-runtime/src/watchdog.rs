@@ -58,6 +58,7 @@ pub(crate) struct Target {
     pub(crate) lock: String,
     pub(crate) share: Option<String>,
     pub(crate) token: String,
+    pub(crate) metrics: crate::metrics::Labels,
 }
 
 /// Counters of the renewal work done by a manager.
@@ -99,6 +100,7 @@ struct Lease {
     holder: Option<Handle>,
     /// When the holder's runtime last ran a probe, in nanoseconds since `EPOCH`.
     alive: Arc<AtomicU64>,
+    metrics: crate::metrics::Labels,
 }
 
 impl Shared {
@@ -134,7 +136,12 @@ impl Watchdog {
         max_hold: Option<Duration>,
     ) -> Registration {
         let ttl = state.ttl();
-        let Target { lock, share, token } = target;
+        let Target {
+            lock,
+            share,
+            token,
+            metrics,
+        } = target;
         let lease = Lease {
             lock,
             share,
@@ -146,6 +153,7 @@ impl Watchdog {
             stop_at: max_hold.and_then(|max| acquired.checked_add(max)),
             holder: Handle::try_current().ok(),
             alive: Arc::new(AtomicU64::new(since_epoch(Instant::now()))),
+            metrics,
         };
         let (id, start) = {
             let mut leases = self.shared.lock();
@@ -175,6 +183,7 @@ struct Due {
     token: String,
     ttl: Duration,
     state: Arc<LeaseState>,
+    metrics: crate::metrics::Labels,
 }
 
 /// The watchdog task: ends when no lease is left, or with the manager's runtime.
@@ -244,6 +253,7 @@ fn collect_due(leases: &mut Leases) -> (Vec<Due>, Instant) {
                     token: lease.token.clone(),
                     ttl: lease.ttl,
                     state: lease.state.clone(),
+                    metrics: lease.metrics,
                 });
             } else {
                 tracing::warn!(lock = %lease.lock, "the holder's runtime did not answer: not renewing");
@@ -276,10 +286,12 @@ async fn renew(shared: &Shared, inner: &Inner, due: Vec<Due>) {
                     // An answer after the local deadline finds the lease already lost.
                     if renewed && lease.state.renewed(sent, lease.ttl) {
                         shared.counters.renewed.fetch_add(1, Ordering::Relaxed);
+                        crate::metrics::renewal(lease.metrics, crate::metrics::Renewal::Renewed);
                     } else if leases.by_id.remove(&lease.id).is_some() {
                         // (A lease released while its renewal was in flight is not lost.)
                         tracing::warn!(lock = %lease.lock, renewed, "lease lost: renewal found another owner or no key, or came too late");
                         shared.counters.lost.fetch_add(1, Ordering::Relaxed);
+                        crate::metrics::renewal(lease.metrics, crate::metrics::Renewal::Lost);
                         lease.state.mark_lost();
                     }
                 }
@@ -289,6 +301,7 @@ async fn renew(shared: &Shared, inner: &Inner, due: Vec<Due>) {
                 tracing::warn!(%error, leases = batch.len(), "lease renewal failed");
                 let mut leases = shared.lock();
                 for lease in batch {
+                    crate::metrics::renewal(lease.metrics, crate::metrics::Renewal::Failed);
                     if let Some(entry) = leases.by_id.get_mut(&lease.id) {
                         let soon = (lease.ttl / 10).min(Duration::from_secs(1));
                         entry.next_renewal = Instant::now() + soon;

@@ -1,6 +1,8 @@
 //! Shared by the integration tests: real `redis-server` processes and managers on them.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod logs;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

@@ -1,0 +1,82 @@
+//! The least privilege a Redis ACL user of distlock needs: [`LockManager::acl_rules`].
+
+use crate::LockManager;
+
+/// Every command distlock sends, directly or from its scripts (which run as the same user).
+///
+/// `info` is optional: without it a RedLock master's restart cannot be noticed and the
+/// eviction policy cannot be checked (both are then said once in the log). `wait` is used by
+/// `sync_replicas` only, `cluster|slots` by Cluster only.
+const COMMANDS: &[&str] = &[
+    "script|load",
+    "evalsha",
+    "subscribe",
+    "unsubscribe",
+    "wait",
+    "cluster|slots",
+    "info",
+    // called by the scripts, and by `is_held`
+    "del",
+    "exists",
+    "get",
+    "hdel",
+    "hexists",
+    "hget",
+    "hincrby",
+    "hkeys",
+    "hmget",
+    "hset",
+    "hsetnx",
+    "incr",
+    "pexpire",
+    "pttl",
+    "publish",
+    "set",
+    "type",
+];
+
+impl LockManager {
+    /// The `ACL SETUSER` rules for a user that may do everything distlock does under key
+    /// prefix `prefix`, and nothing else: its commands, its keys (`~prefix*`) and its pub/sub
+    /// channels (`&prefix*`).
+    ///
+    /// ```
+    /// let rules = distlock_runtime::LockManager::acl_rules("myapp:lock:");
+    /// assert!(rules.starts_with("resetkeys ~myapp:lock:* resetchannels &myapp:lock:* -@all +"));
+    /// // ACL SETUSER locker on >password <rules>
+    /// ```
+    pub fn acl_rules(prefix: &str) -> String {
+        let pattern = glob_escape(prefix);
+        let mut rules = format!("resetkeys ~{pattern}* resetchannels &{pattern}* -@all");
+        for command in COMMANDS {
+            rules.push_str(" +");
+            rules.push_str(command);
+        }
+        rules
+    }
+}
+
+/// `prefix` with the characters that ACL glob patterns interpret escaped.
+fn glob_escape(prefix: &str) -> String {
+    let mut escaped = String::with_capacity(prefix.len());
+    for c in prefix.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefix_is_a_literal_pattern() {
+        let rules = LockManager::acl_rules("a*b?:");
+        assert!(
+            rules.starts_with(r"resetkeys ~a\*b\?:* resetchannels &a\*b\?:* -@all +script|load")
+        );
+    }
+}

@@ -1,0 +1,235 @@
+//! Metrics, through the [`metrics`](https://docs.rs/metrics) facade: install any recorder
+//! (a Prometheus, StatsD or OpenTelemetry exporter) and these appear in it.
+//!
+//! Recorded only with the `metrics` feature (`distlock/metrics`); without it every hook here
+//! compiles to nothing. Every metric carries two labels:
+//!
+//! * `template`: the key *template* the request was made from, `order:{id}` for
+//!   `#[distributed_lock(key = "order:{id}")]`, the name given with
+//!   [`LockRequest::label`](crate::LockRequest::label), or `<manual>`. Never the key itself,
+//!   so the number of series stays small whatever the keys are.
+//! * `kind`: `exclusive`, `read`, `write` or `semaphore`.
+//!
+//! | name | type | extra labels | meaning |
+//! |---|---|---|---|
+//! | `distlock_acquire_attempts_total` | counter | | attempts sent to Redis |
+//! | `distlock_acquires_total` | counter | `outcome` | requests that ended: `acquired`, `busy` (not taken within its bounds), `refused` (would deadlock, upgrade, permits mismatch), `shutdown` (the manager was shut down), `error` (Redis failed) |
+//! | `distlock_acquire_wait_seconds` | histogram | `outcome` | time from the request to its outcome |
+//! | `distlock_hold_seconds` | histogram | | time from acquisition to release (or drop) |
+//! | `distlock_lost_total` | counter | | holds that ended with their lease lost, as [`LockGuard::is_lost`] tells (not those given back by shutdown) |
+//! | `distlock_renewals_total` | counter | `outcome` | watchdog renewals of one lease: `renewed`, `lost` (another owner or no key), `failed` (Redis failed; retried) |
+//! | `distlock_handoffs_total` | counter | | locks taken by a request that had queued for them: a release (or an expiry) handed the lock to a waiter |
+//! | `distlock_waiting` | gauge | | requests waiting in the manager's queue for a busy lock |
+//!
+//! Descriptions and units are registered on the first request, or by [`describe`] after
+//! installing a recorder.
+
+use std::time::Instant;
+
+#[cfg(feature = "metrics")]
+use crate::LockError;
+use crate::guard::LockGuard;
+use crate::lock::RequestKind;
+
+/// Counter: attempts sent to Redis.
+pub const ACQUIRE_ATTEMPTS: &str = "distlock_acquire_attempts_total";
+/// Counter: requests that ended, by `outcome` (`acquired`, `busy`, `refused`, `shutdown`,
+/// `error`).
+pub const ACQUIRES: &str = "distlock_acquires_total";
+/// Histogram, seconds: time from the request to its outcome, by `outcome`.
+pub const ACQUIRE_WAIT: &str = "distlock_acquire_wait_seconds";
+/// Histogram, seconds: time from acquisition to release (or drop).
+pub const HOLD: &str = "distlock_hold_seconds";
+/// Counter: holds that ended with their lease lost (see [`LockGuard::is_lost`]).
+pub const LOST: &str = "distlock_lost_total";
+/// Counter: watchdog renewals of one lease, by `outcome` (`renewed`, `lost`, `failed`).
+pub const RENEWALS: &str = "distlock_renewals_total";
+/// Counter: locks taken by a request that had queued for them.
+pub const HANDOFFS: &str = "distlock_handoffs_total";
+/// Gauge: requests waiting in the manager's queue for a busy lock.
+pub const WAITING: &str = "distlock_waiting";
+
+/// Registers the description and unit of every metric above with the installed recorder.
+///
+/// Done on the first request anyway; call it after installing a recorder that should know
+/// them before any lock is taken. Does nothing without the `metrics` feature.
+pub fn describe() {
+    #[cfg(feature = "metrics")]
+    {
+        use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+        describe_counter!(ACQUIRE_ATTEMPTS, "Lock attempts sent to Redis.");
+        describe_counter!(ACQUIRES, "Lock requests that ended, by outcome.");
+        describe_histogram!(
+            ACQUIRE_WAIT,
+            Unit::Seconds,
+            "Time from a lock request to its outcome."
+        );
+        describe_histogram!(HOLD, Unit::Seconds, "Time from acquisition to release.");
+        describe_counter!(LOST, "Holds that ended with their lease lost.");
+        describe_counter!(RENEWALS, "Watchdog renewals of one lease, by outcome.");
+        describe_counter!(
+            HANDOFFS,
+            "Locks taken by a request that had queued for them."
+        );
+        describe_gauge!(WAITING, "Requests waiting for a busy lock.");
+    }
+}
+
+/// The labels of one request: its key template and lock kind.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Labels {
+    #[cfg(feature = "metrics")]
+    template: &'static str,
+    #[cfg(feature = "metrics")]
+    kind: &'static str,
+}
+
+impl Labels {
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn new(template: &'static str, kind: RequestKind) -> Self {
+        #[cfg(feature = "metrics")]
+        {
+            static DESCRIBED: std::sync::Once = std::sync::Once::new();
+            DESCRIBED.call_once(describe);
+            let kind = match kind {
+                RequestKind::Exclusive => "exclusive",
+                RequestKind::Read => "read",
+                RequestKind::Write => "write",
+                RequestKind::Permits(_) => "semaphore",
+            };
+            Self { template, kind }
+        }
+        #[cfg(not(feature = "metrics"))]
+        Self {}
+    }
+}
+
+#[cfg(feature = "metrics")]
+macro_rules! labelled {
+    ($macro:ident, $name:expr, $labels:expr $(, $key:literal => $value:expr)*) => {
+        metrics::$macro!(
+            $name,
+            "template" => $labels.template,
+            "kind" => $labels.kind
+            $(, $key => $value)*
+        )
+    };
+}
+
+/// When a request started; nothing without the feature.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timer {
+    #[cfg(feature = "metrics")]
+    started: Instant,
+}
+
+impl Timer {
+    pub(crate) fn start() -> Self {
+        Self {
+            #[cfg(feature = "metrics")]
+            started: Instant::now(),
+        }
+    }
+}
+
+/// One attempt is about to be sent.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn attempt(labels: Labels) {
+    #[cfg(feature = "metrics")]
+    labelled!(counter, ACQUIRE_ATTEMPTS, labels).increment(1);
+}
+
+/// A request ended with `result`, `timer` after it started.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn acquire_ended(
+    labels: Labels,
+    timer: Timer,
+    result: &Result<LockGuard, crate::LockError>,
+) {
+    #[cfg(feature = "metrics")]
+    {
+        let outcome = match result {
+            Ok(_) => "acquired",
+            Err(LockError::Busy { .. }) => "busy",
+            Err(
+                LockError::WouldDeadlock { .. }
+                | LockError::Upgrade { .. }
+                | LockError::PermitsMismatch { .. },
+            ) => "refused",
+            Err(LockError::ShutDown) => "shutdown",
+            Err(_) => "error",
+        };
+        labelled!(counter, ACQUIRES, labels, "outcome" => outcome).increment(1);
+        labelled!(histogram, ACQUIRE_WAIT, labels, "outcome" => outcome)
+            .record(timer.started.elapsed());
+    }
+}
+
+/// A hold acquired at `since` ended (released or dropped); `lost` if its lease was lost.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn hold_ended(labels: Labels, since: Instant, lost: bool) {
+    #[cfg(feature = "metrics")]
+    {
+        labelled!(histogram, HOLD, labels).record(since.elapsed());
+        if lost {
+            labelled!(counter, LOST, labels).increment(1);
+        }
+    }
+}
+
+/// The outcome of one lease's renewal.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Renewal {
+    Renewed,
+    Lost,
+    Failed,
+}
+
+/// The watchdog renewed (or tried to renew) one lease.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn renewal(labels: Labels, outcome: Renewal) {
+    #[cfg(feature = "metrics")]
+    {
+        let outcome = match outcome {
+            Renewal::Renewed => "renewed",
+            Renewal::Lost => "lost",
+            Renewal::Failed => "failed",
+        };
+        labelled!(counter, RENEWALS, labels, "outcome" => outcome).increment(1);
+    }
+}
+
+/// A request took its lock; `queued` if it had waited in the manager's queue for it.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn handed_over(labels: Labels, queued: bool) {
+    #[cfg(feature = "metrics")]
+    if queued {
+        labelled!(counter, HANDOFFS, labels).increment(1);
+    }
+}
+
+/// Counts one waiting request while it lives.
+#[derive(Debug)]
+pub(crate) struct Waiting {
+    #[cfg(feature = "metrics")]
+    labels: Labels,
+}
+
+impl Waiting {
+    pub(crate) fn new(labels: Labels) -> Self {
+        #[cfg(feature = "metrics")]
+        labelled!(gauge, WAITING, labels).increment(1.0);
+        let _ = labels;
+        Self {
+            #[cfg(feature = "metrics")]
+            labels,
+        }
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        #[cfg(feature = "metrics")]
+        labelled!(gauge, WAITING, self.labels).decrement(1.0);
+    }
+}
