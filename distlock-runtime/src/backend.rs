@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -76,7 +76,7 @@ struct Pool {
     response_timeout: Duration,
     connect_timeout: Duration,
     sync_replicas: Option<(u32, Duration)>,
-    by_runtime: Mutex<HashMap<runtime::Id, Conn>>,
+    by_runtime: RwLock<HashMap<runtime::Id, Conn>>,
     /// With `sync_replicas`: idle connections of each runtime for a grant and its WAIT, which
     /// blocks the connection it runs on (and must run on the one that wrote the grant).
     replicated: Mutex<HashMap<runtime::Id, Vec<MultiplexedConnection>>>,
@@ -104,6 +104,24 @@ pub(crate) enum NativeDelete {
 enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+}
+
+/// What bounds the wait for an answer on a connection.
+#[derive(Debug, Clone, Copy)]
+enum Bounds {
+    /// The connection's own response timeout.
+    Itself,
+    /// A timer around the request.
+    Timer,
+}
+
+impl Conn {
+    fn bounds(&self) -> Bounds {
+        match self {
+            Self::Single(_) => Bounds::Itself,
+            Self::Cluster(_) => Bounds::Timer,
+        }
+    }
 }
 
 impl redis::aio::ConnectionLike for Conn {
@@ -175,7 +193,7 @@ impl Node {
                 response_timeout: options.response_timeout,
                 connect_timeout: options.connect_timeout,
                 sync_replicas: options.sync_replicas,
-                by_runtime: Mutex::new(HashMap::new()),
+                by_runtime: RwLock::new(HashMap::new()),
                 replicated: Mutex::new(HashMap::new()),
                 delete: Mutex::new(NativeDelete::Script),
                 security: options.security,
@@ -275,7 +293,7 @@ impl Node {
                         tracing::info!(%master, "following the new master");
                         self.pool
                             .by_runtime
-                            .lock()
+                            .write()
                             .unwrap_or_else(|e| e.into_inner())
                             .clear();
                         self.lock_replicated().clear();
@@ -427,8 +445,8 @@ impl Node {
         let id = runtime::Handle::try_current()
             .map_err(|_| RedisError::from(io::Error::other("no tokio runtime")))?
             .id();
-        if let Some(conn) = self.lock_conns().get(&id) {
-            return Ok(conn.clone());
+        if let Some(conn) = self.known_conn(id) {
+            return Ok(conn);
         }
         let conn = match &self.pool.cluster {
             Some(cluster) => {
@@ -443,10 +461,19 @@ impl Node {
         Ok(self.lock_conns().entry(id).or_insert(conn).clone())
     }
 
-    fn lock_conns(&self) -> std::sync::MutexGuard<'_, HashMap<runtime::Id, Conn>> {
+    fn known_conn(&self, id: runtime::Id) -> Option<Conn> {
+        let known = self
+            .pool
+            .by_runtime
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        known.get(&id).cloned()
+    }
+
+    fn lock_conns(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<runtime::Id, Conn>> {
         self.pool
             .by_runtime
-            .lock()
+            .write()
             .unwrap_or_else(|e| e.into_inner())
     }
 
@@ -465,17 +492,7 @@ impl Node {
                     .arg(lease)
                     .arg("GET")
                     .to_owned();
-                let mut script = scripts::ACQUIRE.key(&req.lock);
-                script
-                    .key(&req.fence)
-                    .arg(&req.token)
-                    .arg(lease)
-                    .arg(flag(false))
-                    .arg(&req.hold)
-                    .arg(flag(req.reentrant))
-                    .arg(flag(true));
-                let pttl = redis::cmd("PTTL").arg(&req.lock).to_owned();
-                AcquireCall::Set { set, pttl, script }
+                AcquireCall::Set { set, req }
             }
             Shape::Exclusive => {
                 let mut call = scripts::ACQUIRE.key(&req.lock);
@@ -526,7 +543,8 @@ impl Node {
         if let Some(sync) = self.pool.sync_replicas {
             return self.acquire_replicated(req, &call, sync).await;
         }
-        self.watch(self.bounded(call.run(&mut conn, &req.token)).await)
+        let bounds = conn.bounds();
+        self.watch(self.answer(bounds, call.run(&mut conn, &req.token)).await)
     }
 
     /// Runs an acquire script and, after a grant, WAITs for `wanted` replicas for at most
@@ -665,26 +683,24 @@ impl Node {
             call.key(&ids.wake)
                 .arg(&ids.token)
                 .arg(u64::try_from(keep.as_millis()).unwrap_or(u64::MAX));
-            let released: i64 = self.watch(self.bounded(call.invoke_async(conn)).await)?;
+            let bounds = conn.bounds();
+            let released: i64 = self.watch(self.answer(bounds, call.invoke_async(conn)).await)?;
             return Ok(released == 1);
         };
         // Both go out back to back on the multiplexed connection: one round trip. The wake-up
         // is sent whatever the delete finds; a waiter woken for nothing finds the lock busy
         // and waits again.
-        let publish = redis::cmd("PUBLISH").arg(&ids.wake).arg("").to_owned();
-        let mut other = conn.clone();
-        let (deleted, _published) = self
-            .bounded(async {
-                let (deleted, published) = futures_util::future::join(
-                    delete.query_async::<i64>(conn),
-                    publish.query_async::<i64>(&mut other),
-                )
-                .await;
-                Ok((deleted, published))
-            })
-            .await?;
+        let mut both = redis::pipe();
+        both.add_command(delete)
+            .cmd("PUBLISH")
+            .arg(&ids.wake)
+            .arg("")
+            .ignore();
+        let deleted = self
+            .answer(conn.bounds(), both.query_async::<(i64,)>(conn))
+            .await;
         match deleted {
-            Ok(deleted) => Ok(deleted == 1),
+            Ok((deleted,)) => Ok(deleted == 1),
             // Another kind's hash at the key: not this owner's lock.
             Err(error) if error.code() == Some("WRONGTYPE") => Ok(false),
             // A user whose ACL does not list the native command: the script from now on.
@@ -795,6 +811,19 @@ impl Node {
 
     async fn bounded<T>(&self, op: impl Future<Output = RedisResult<T>>) -> RedisResult<T> {
         bounded(self.pool.response_timeout, op).await
+    }
+
+    /// `op`, bounded by the response timeout: by the connection itself where it bounds every
+    /// request (the connection manager of one server), by a timer around `op` elsewhere.
+    async fn answer<T>(
+        &self,
+        on: Bounds,
+        op: impl Future<Output = RedisResult<T>>,
+    ) -> RedisResult<T> {
+        match on {
+            Bounds::Itself => op.await,
+            Bounds::Timer => self.bounded(op).await,
+        }
     }
 }
 
@@ -976,12 +1005,11 @@ impl AcquireRequest {
 /// One acquire attempt as sent: a script, or the native `SET … NX PX … GET` of a plain lock.
 enum AcquireCall<'a> {
     Script(redis::ScriptInvocation<'a>),
-    /// The `SET`; `PTTL` when it finds another owner (the fallback timer must not outlast
-    /// that owner's lease); the script to run instead when it finds a hash at the key.
+    /// The `SET`; then, only when needed, `PTTL` (it found another owner, whose lease the
+    /// fallback timer must not outlast) or the script (it found a hash at the key).
     Set {
         set: redis::Cmd,
-        pttl: redis::Cmd,
-        script: redis::ScriptInvocation<'a>,
+        req: &'a AcquireRequest,
     },
 }
 
@@ -999,23 +1027,30 @@ impl AcquireCall<'_> {
             // reply was lost). Another value: busy. A hash (another lock kind, or a lock with
             // fencing or min_hold) answers WRONGTYPE: the script decides, as it alone can
             // clear read shares or permits whose leases have ended.
-            Self::Set { set, pttl, script } => {
-                match set.query_async::<Option<String>>(conn).await {
-                    Ok(None) => Ok(Attempt::Held { fence: 0 }),
-                    Ok(Some(value)) if value == token => Ok(Attempt::Held { fence: 0 }),
-                    Ok(Some(_)) => {
-                        let left: i64 = pttl.query_async(conn).await?;
-                        Ok(Attempt::Busy {
-                            holder_ttl: u64::try_from(left).ok().map(Duration::from_millis),
-                        })
-                    }
-                    Err(error) if error.code() == Some("WRONGTYPE") => {
-                        let (held, value): (i64, i64) = script.invoke_async(conn).await?;
-                        Ok(attempt(held, value))
-                    }
-                    Err(error) => Err(error),
+            Self::Set { set, req } => match set.query_async::<Option<String>>(conn).await {
+                Ok(None) => Ok(Attempt::Held { fence: 0 }),
+                Ok(Some(value)) if value == token => Ok(Attempt::Held { fence: 0 }),
+                Ok(Some(_)) => {
+                    let left: i64 = redis::cmd("PTTL").arg(&req.lock).query_async(conn).await?;
+                    Ok(Attempt::Busy {
+                        holder_ttl: u64::try_from(left).ok().map(Duration::from_millis),
+                    })
                 }
-            }
+                Err(error) if error.code() == Some("WRONGTYPE") => {
+                    let mut script = scripts::ACQUIRE.key(&req.lock);
+                    script
+                        .key(&req.fence)
+                        .arg(&req.token)
+                        .arg(millis(req.lease))
+                        .arg(flag(false))
+                        .arg(&req.hold)
+                        .arg(flag(req.reentrant))
+                        .arg(flag(true));
+                    let (held, value): (i64, i64) = script.invoke_async(conn).await?;
+                    Ok(attempt(held, value))
+                }
+                Err(error) => Err(error),
+            },
         }
     }
 }

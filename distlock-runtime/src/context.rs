@@ -40,7 +40,7 @@ pub(crate) struct Held {
     pub(crate) reentrant: bool,
     pub(crate) kind: Kind,
     /// What names the hold on the server, for the release of the last guard.
-    pub(crate) ids: HoldIds,
+    pub(crate) ids: Arc<HoldIds>,
     /// The fencing token drawn by the first hold (0 without fencing).
     pub(crate) fence: u64,
     /// The lease of the hold on the server, seen by every guard of it.

@@ -111,7 +111,8 @@ impl LockGuard {
         &self.parts.keys.name
     }
 
-    /// This acquisition's owner token: 128 random bits, in hex. Nested reentrant holds share
+    /// This acquisition's owner token: 128 bits in hex, unique to it (64 random per process,
+    /// 64 counting). Nested reentrant holds share
     /// the outer hold's token.
     pub fn token(&self) -> &str {
         &self.parts.token
@@ -273,7 +274,7 @@ impl LockGuard {
                 .await?;
             break match outcome {
                 Ok(true) => {
-                    inner.waiters.released(&self.parts.keys.companion("wake"));
+                    inner.waiters.released(&self.parts.held.ids.wake);
                     tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "released");
                     Ok(())
                 }
@@ -294,7 +295,7 @@ impl LockGuard {
         outcome
     }
 
-    fn ids(&self) -> HoldIds {
+    fn ids(&self) -> Arc<HoldIds> {
         self.parts.held.ids.clone()
     }
 
@@ -338,7 +339,7 @@ fn keep_from(until: Option<Instant>) -> Duration {
 
 /// A release sent but not yet answered; dropped armed, it sends the release again from the
 /// manager's runtime (a release is idempotent per hold id).
-struct Unanswered(Option<(Arc<Inner>, HoldIds, Option<Instant>)>);
+struct Unanswered(Option<(Arc<Inner>, Arc<HoldIds>, Option<Instant>)>);
 
 impl Drop for Unanswered {
     fn drop(&mut self) {
@@ -363,7 +364,11 @@ impl fmt::Debug for LockGuard {
 /// Sends a release for one hold from the manager's own runtime, without waiting for it; the
 /// outcome is only logged. That runtime outlives the caller's, so this works while the
 /// caller's runtime shuts down, and outside any runtime.
-pub(crate) fn release_in_background(inner: &Arc<Inner>, ids: HoldIds, keep_until: Option<Instant>) {
+pub(crate) fn release_in_background(
+    inner: &Arc<Inner>,
+    ids: Arc<HoldIds>,
+    keep_until: Option<Instant>,
+) {
     let task = release_logged(inner.clone(), ids, keep_until);
     inner.driver.spawn(task);
 }
@@ -374,6 +379,7 @@ pub(crate) fn release_in_background(inner: &Arc<Inner>, ids: HoldIds, keep_until
 /// returns, right behind the acquire, so it cannot overtake it. If that runtime goes away (or
 /// the connection fails) before the answer, the manager's runtime sends it once more.
 pub(crate) fn release_behind_acquire(inner: &Arc<Inner>, ids: HoldIds) {
+    let ids = Arc::new(ids);
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return release_in_background(inner, ids, None);
     };
@@ -406,7 +412,7 @@ pub(crate) fn release_behind_acquire(inner: &Arc<Inner>, ids: HoldIds) {
     inner.driver.spawn(fallback);
 }
 
-async fn release_logged(inner: Arc<Inner>, ids: HoldIds, keep_until: Option<Instant>) {
+async fn release_logged(inner: Arc<Inner>, ids: Arc<HoldIds>, keep_until: Option<Instant>) {
     match inner.backend.release(&ids, keep_from(keep_until)).await {
         Ok(true) => {
             inner.waiters.released(&ids.wake);
@@ -425,7 +431,7 @@ async fn release_logged(inner: Arc<Inner>, ids: HoldIds, keep_until: Option<Inst
 /// A hold as the manager lists it, for [`LockManager::shutdown`].
 #[derive(Debug)]
 pub(crate) struct Live {
-    pub(crate) ids: HoldIds,
+    pub(crate) ids: Arc<HoldIds>,
     pub(crate) keep_until: Option<Instant>,
     pub(crate) lease: Arc<LeaseState>,
 }

@@ -529,7 +529,7 @@ fn grant(
                 token: request.token.clone(),
                 reentrant: plan.reentrant,
                 kind: Kind::Exclusive,
-                ids: hold_ids(key, &request.token),
+                ids: Arc::new(hold_ids(key, &request.token)),
                 fence,
                 lease: lease.clone(),
                 guards: AtomicUsize::new(1),
@@ -545,7 +545,7 @@ fn grant(
     let mut after_shutdown = false;
     for key in &request.keys {
         let live = Live {
-            ids: hold_ids(key, &request.token),
+            ids: Arc::new(hold_ids(key, &request.token)),
             keep_until: None,
             lease: lease.clone(),
         };
@@ -645,7 +645,7 @@ impl MultiGuard {
         &self.names
     }
 
-    /// The set's owner token: 128 random bits, in hex, shared by every lock the set took.
+    /// The set's owner token (as [`LockGuard::token`]), shared by every lock the set took.
     /// A key held as a nested hold keeps its outer hold's token.
     pub fn token(&self) -> &str {
         &self.request.token
