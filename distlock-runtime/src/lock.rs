@@ -246,11 +246,9 @@ impl<'m> LockRequest<'m> {
         // futures (sibling branches of `join!`, annotated calls inside annotated calls); kept
         // inline it multiplies their size and, in debug builds, their stack use.
         let (labels, timer) = (plan.metrics, crate::metrics::Timer::start());
-        let acquiring = Box::pin(acquire(self.manager, plan, self.record).instrument(span));
-        let result = tokio::select! {
-            acquired = acquiring => acquired,
-            () = holds.until_shut_down() => Err(LockError::ShutDown),
-        };
+        // Shutdown ends the waits inside (an attempt in flight is bounded by the response
+        // timeout): racing it here would register every acquisition with the shutdown signal.
+        let result = Box::pin(acquire(self.manager, plan, self.record).instrument(span)).await;
         let result = match result {
             // Dropping it gives it back.
             Ok(guard) if guard.came_after_shutdown() => Err(LockError::ShutDown),
@@ -447,14 +445,18 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
                 ticket.until_head().await;
                 ticket.subscribe().await;
             };
-            match deadline {
-                Some(deadline) => tokio::select! {
-                    () = turn => {}
-                    _ = inner.sleep_until(deadline) => {
-                        return Err(give_up(attempts, ticket.last_failure()));
-                    }
-                },
-                None => turn.await,
+            let deadline = async {
+                match deadline {
+                    Some(deadline) => inner.sleep_until(deadline).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = turn => {}
+                _ = deadline => {
+                    return Err(give_up(attempts, ticket.last_failure()));
+                }
+                () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
             }
         }
         let seen = ticket.as_ref().map(Ticket::wakes);
@@ -536,17 +538,16 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
         if let Some(deadline) = deadline {
             until = until.min(deadline);
         }
-        match &ticket {
-            Some(waiting) => {
-                let seen = seen.unwrap_or_default();
-                tokio::select! {
-                    () = waiting.woken_since(seen) => {}
-                    _ = inner.sleep_until(until) => {}
-                }
+        let woken = async {
+            match &ticket {
+                Some(waiting) => waiting.woken_since(seen.unwrap_or_default()).await,
+                None => std::future::pending().await,
             }
-            None => {
-                let _ = inner.sleep_until(until).await;
-            }
+        };
+        tokio::select! {
+            () = woken => {}
+            _ = inner.sleep_until(until) => {}
+            () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
         }
         if deadline.is_some_and(|d| d <= Instant::now()) {
             return Err(give_up(attempts, last_word(&ticket, &failure)));
