@@ -148,6 +148,22 @@ async fn the_readme_rule_is_enough() {
     every_kind_works(&locks).await;
 }
 
+/// A user who may ask `COMMAND INFO` but not run the native compare-and-delete it finds
+/// (Valkey's DELIFEQ): releases fall back to the script and still work.
+#[tokio::test]
+async fn a_denied_native_delete_falls_back_to_the_script() {
+    let rules = format!("{} +command|info", LockManager::acl_rules("acl:"));
+    let server = server_with_user(&rules);
+    let locks = manager_as_locker(&server, "acl:").await.unwrap();
+    for _ in 0..3 {
+        let guard = locks.lock("native").acquire().await.unwrap();
+        guard.release().await.unwrap();
+    }
+    let other = manager_as_locker(&server, "acl:").await.unwrap();
+    let free = other.lock("native").try_acquire().await.unwrap();
+    assert!(free.is_some(), "the lock was given back");
+}
+
 #[tokio::test]
 async fn the_rule_denies_other_keys() {
     let prefix = "app:lock:";

@@ -691,16 +691,24 @@ impl Node {
         // is sent whatever the delete finds; a waiter woken for nothing finds the lock busy
         // and waits again.
         let mut both = redis::pipe();
-        both.add_command(delete)
+        both.ignore_errors()
+            .add_command(delete)
             .cmd("PUBLISH")
             .arg(&ids.wake)
-            .arg("")
-            .ignore();
-        let deleted = self
-            .answer(conn.bounds(), both.query_async::<(i64,)>(conn))
+            .arg("");
+        let answers = self
+            .answer(
+                conn.bounds(),
+                both.query_async::<Vec<RedisResult<i64>>>(conn),
+            )
             .await;
+        let deleted = match answers {
+            Ok(mut answers) if !answers.is_empty() => answers.swap_remove(0),
+            Ok(_) => Err(io::Error::other("no answer to the compare-and-delete").into()),
+            Err(error) => Err(error),
+        };
         match deleted {
-            Ok((deleted,)) => Ok(deleted == 1),
+            Ok(deleted) => Ok(deleted == 1),
             // Another kind's hash at the key: not this owner's lock.
             Err(error) if error.code() == Some("WRONGTYPE") => Ok(false),
             // A user whose ACL does not list the native command: the script from now on.
