@@ -138,17 +138,22 @@ async fn a_failover_during_a_contended_run() {
     let replica = nodes.iter().find(|n| n.port() == replica.port).unwrap();
     let managers = vec![cluster(&nodes, "f:").await, cluster(&nodes, "f:").await];
     let halfway = Arc::new(tokio::sync::Notify::new());
-    let run = support::contend(&managers, 4, 25, true, Some(halfway.clone()));
+    let run = support::contend(&managers, 4, 60, true, Some(halfway.clone()));
     let fail_over = async {
         halfway.notified().await;
         assert_eq!(replica.command(&["CLUSTER", "FAILOVER"]).unwrap(), "+OK");
+        // The replica takes over a moment later; the run goes on meanwhile.
+        let started = std::time::Instant::now();
+        while !replica.command(&["ROLE"]).unwrap().starts_with("master") {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "the failover happened"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     };
     let (run, ()) = tokio::join!(run, fail_over);
-    assert_eq!(run.entries, 200);
-    assert!(
-        replica.command(&["ROLE"]).unwrap().starts_with("master"),
-        "the failover happened"
-    );
+    assert_eq!(run.entries, 480);
     assert!(
         run.fences.windows(2).all(|w| w[0] < w[1]),
         "fencing tokens kept increasing"
