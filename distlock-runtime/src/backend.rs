@@ -385,6 +385,74 @@ impl Node {
         Err(last.unwrap_or_else(|| io::Error::other("no command to send").into()))
     }
 
+    /// Runs one command (for the inspector), routed by its key on Cluster.
+    pub(crate) async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> RedisResult<T> {
+        let mut conn = self.conn().await?;
+        self.watch(self.bounded(cmd.query_async(&mut conn)).await)
+    }
+
+    /// Every key matching `pattern`, by SCAN on the server (on Cluster: on every master).
+    pub(crate) async fn scan(&self, pattern: &str) -> RedisResult<Vec<String>> {
+        use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+        let mut found = Vec::new();
+        match self.conn().await? {
+            Conn::Single(mut conn) => {
+                let mut cursor = 0u64;
+                loop {
+                    let scan = redis::cmd("SCAN")
+                        .arg(cursor)
+                        .arg("MATCH")
+                        .arg(pattern)
+                        .arg("COUNT")
+                        .arg(1000)
+                        .to_owned();
+                    let (next, keys): (u64, Vec<String>) =
+                        self.watch(self.bounded(scan.query_async(&mut conn)).await)?;
+                    found.extend(keys);
+                    if next == 0 {
+                        break;
+                    }
+                    cursor = next;
+                }
+            }
+            Conn::Cluster(mut conn) => {
+                let (_, masters) = self.ask_masters(&[redis::cmd("PING")]).await?;
+                for (address, _) in masters {
+                    let Some((host, port)) = address
+                        .rsplit_once(':')
+                        .and_then(|(h, p)| Some((h.to_owned(), p.parse::<u16>().ok()?)))
+                    else {
+                        continue;
+                    };
+                    let mut cursor = 0u64;
+                    loop {
+                        let scan = redis::cmd("SCAN")
+                            .arg(cursor)
+                            .arg("MATCH")
+                            .arg(pattern)
+                            .arg("COUNT")
+                            .arg(1000)
+                            .to_owned();
+                        let node = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                            host: host.clone(),
+                            port,
+                        });
+                        let answer = self.bounded(conn.route_command(scan, node)).await?;
+                        let (next, keys): (u64, Vec<String>) = redis::from_redis_value(answer)?;
+                        found.extend(keys);
+                        if next == 0 {
+                            break;
+                        }
+                        cursor = next;
+                    }
+                }
+            }
+        }
+        found.sort();
+        found.dedup();
+        Ok(found)
+    }
+
     fn lock_identity(&self) -> std::sync::MutexGuard<'_, Identity> {
         self.pool.identity.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -1183,6 +1251,16 @@ impl Backend {
             }
         });
         join_all(attempts).await
+    }
+
+    /// The node the inspector reads (the first master of a RedLock).
+    pub(crate) fn inspected(&self) -> &Node {
+        &self.nodes[0]
+    }
+
+    /// The masters after the first (a RedLock's others; none otherwise).
+    pub(crate) fn others(&self) -> &[Node] {
+        &self.nodes[1..]
     }
 
     /// The node that carries wake-up messages.

@@ -30,6 +30,7 @@ mod driver;
 mod env;
 mod error;
 mod guard;
+pub mod inspect;
 mod key;
 mod lease;
 mod lock;
