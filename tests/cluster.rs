@@ -132,10 +132,21 @@ async fn exclusion_holds_on_a_cluster() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_during_a_contended_run() {
     let nodes = RedisServer::start_cluster_with_replicas(3, 1).unwrap();
-    let view = ClusterView::of(&nodes[0]);
-    let owner = view.owner(keyslot(&nodes[0], "f:{hot}"));
-    let replica = view.replica_of(owner);
-    let replica = nodes.iter().find(|n| n.port() == replica.port).unwrap();
+    // Each replica shows in CLUSTER NODES once the nodes have gossiped about it.
+    let started = std::time::Instant::now();
+    let replica_port = loop {
+        let view = ClusterView::of(&nodes[0]);
+        let owner = view.owner(keyslot(&nodes[0], "f:{hot}"));
+        if let Some(replica) = view.nodes.iter().find(|n| n.master_id == owner.id) {
+            break replica.port;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the master has a replica"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let replica = nodes.iter().find(|n| n.port() == replica_port).unwrap();
     let managers = vec![cluster(&nodes, "f:").await, cluster(&nodes, "f:").await];
     let halfway = Arc::new(tokio::sync::Notify::new());
     let run = support::contend(&managers, 4, 60, true, Some(halfway.clone()));
@@ -285,13 +296,6 @@ impl ClusterView {
             .iter()
             .find(|n| n.master && n.slots.iter().any(|&(a, b)| (a..=b).contains(&slot)))
             .expect("a master owns every slot")
-    }
-
-    fn replica_of(&self, master: &ClusterNode) -> &ClusterNode {
-        self.nodes
-            .iter()
-            .find(|n| n.master_id == master.id)
-            .expect("the master has a replica")
     }
 }
 
