@@ -174,3 +174,67 @@ async fn tls_files_from_the_environment() {
     let locks = build(builder).await.expect("connects over mutual TLS");
     round_trip(&locks).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_over_tls() {
+    let certs = TestCertificates::generate().unwrap();
+    let nodes = RedisServer::start_cluster_tls(3, &certs).unwrap();
+    let seeds: Vec<String> = nodes.iter().map(RedisServer::url).collect();
+    assert!(seeds.iter().all(|s| s.starts_with("rediss://")));
+    let cluster = |ca: String| {
+        LockManager::builder()
+            .cluster(seeds.clone())
+            .key_prefix(support::unique_prefix("tls-cluster"))
+            .connect_timeout(Duration::from_millis(500))
+            .response_timeout(Duration::from_millis(500))
+            .tls_ca_certificate(ca)
+    };
+    let locks = build(cluster(certs.ca_pem().unwrap()))
+        .await
+        .expect("connects to the cluster over TLS");
+    round_trip(&locks).await;
+    // Keys in every slot range: each master is reached over TLS.
+    for i in 0..20 {
+        let guard = locks.lock(format!("k{i}")).acquire().await.unwrap();
+        guard.release().await.unwrap();
+    }
+
+    let other = TestCertificates::generate().unwrap();
+    let refused = build(cluster(other.ca_pem().unwrap())).await;
+    let error = refused.expect_err("a cluster behind another CA is refused");
+    assert!(error.to_string().contains("certificate"), "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_over_tls() {
+    let certs = TestCertificates::generate().unwrap();
+    let master = RedisServer::start_tls(&certs, false).unwrap();
+    let sentinels: Vec<RedisServer> = (0..3)
+        .map(|_| RedisServer::start_sentinel_tls(&master, "tlsmaster", 2, &certs).unwrap())
+        .collect();
+    let urls: Vec<String> = sentinels.iter().map(RedisServer::url).collect();
+    assert!(urls.iter().all(|u| u.starts_with("rediss://")));
+    let sentinel = |ca: String| {
+        LockManager::builder()
+            .sentinel(urls.clone(), "tlsmaster")
+            .key_prefix(support::unique_prefix("tls-sentinel"))
+            .connect_timeout(Duration::from_millis(500))
+            .response_timeout(Duration::from_millis(500))
+            .tls_ca_certificate(ca)
+    };
+    let locks = build(sentinel(certs.ca_pem().unwrap()))
+        .await
+        .expect("asks the Sentinels and reaches the master over TLS");
+    round_trip(&locks).await;
+    // The lock is on the master the Sentinels named.
+    let held = locks.lock("on-master").acquire().await.unwrap();
+    let key = locks.redis_key("on-master");
+    assert_eq!(master.command(&["EXISTS", &key]).unwrap(), ":1");
+    held.release().await.unwrap();
+
+    let other = TestCertificates::generate().unwrap();
+    let error = build(sentinel(other.ca_pem().unwrap()))
+        .await
+        .expect_err("Sentinels behind another CA are refused");
+    assert!(error.to_string().contains("certificate"), "{error}");
+}

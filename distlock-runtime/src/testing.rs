@@ -71,6 +71,14 @@ impl RedisServer {
     /// `rediss://` one; the harness's own commands use the plain port. `certs` must outlive
     /// the server (a restart reads them again).
     pub fn start_tls(certs: &TestCertificates, require_client_cert: bool) -> io::Result<Self> {
+        Self::start_tls_with(certs, require_client_cert, Vec::new())
+    }
+
+    fn start_tls_with(
+        certs: &TestCertificates,
+        require_client_cert: bool,
+        extra: Vec<String>,
+    ) -> io::Result<Self> {
         let tls_port = free_port()?;
         let file = |name: &str| certs.dir.join(name).to_string_lossy().into_owned();
         let auth = if require_client_cert { "yes" } else { "no" };
@@ -86,7 +94,9 @@ impl RedisServer {
             "--tls-auth-clients".to_owned(),
             auth.to_owned(),
         ];
-        let mut server = Self::start_with(args.to_vec())?;
+        let mut args = args.to_vec();
+        args.extend(extra);
+        let mut server = Self::start_with(args)?;
         server.tls_port = Some(tls_port);
         Ok(server)
     }
@@ -179,20 +189,42 @@ impl RedisServer {
         masters: usize,
         replicas: usize,
     ) -> io::Result<Vec<RedisServer>> {
+        Self::cluster_of(masters, replicas, None)
+    }
+
+    /// A cluster of `masters` masters whose nodes talk TLS to clients and to each other
+    /// (`tls-cluster yes`), with the server certificate of `certs`: its nodes'
+    /// [`url`](Self::url)s are `rediss://` ones, and the slot map names their TLS ports. The
+    /// harness's own commands use the plain ports.
+    pub fn start_cluster_tls(
+        masters: usize,
+        certs: &TestCertificates,
+    ) -> io::Result<Vec<RedisServer>> {
+        Self::cluster_of(masters, 0, Some(certs))
+    }
+
+    fn cluster_of(
+        masters: usize,
+        replicas: usize,
+        certs: Option<&TestCertificates>,
+    ) -> io::Result<Vec<RedisServer>> {
+        let cluster_args = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "1000",
+        ]
+        .map(str::to_owned);
         let nodes = (0..masters * (1 + replicas))
-            .map(|_| {
-                Self::start_with(
-                    [
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        "nodes.conf",
-                    ]
-                    .into_iter()
-                    .chain(["--cluster-node-timeout", "1000"])
-                    .map(str::to_owned)
-                    .collect(),
-                )
+            .map(|_| match certs {
+                None => Self::start_with(cluster_args.to_vec()),
+                Some(certs) => {
+                    let mut args = cluster_args.to_vec();
+                    args.extend(["--tls-cluster", "yes"].map(str::to_owned));
+                    Self::start_tls_with(certs, false, args)
+                }
             })
             .collect::<io::Result<Vec<_>>>()?;
         let cli = nodes[0].binary.with_file_name("redis-cli");
@@ -201,10 +233,21 @@ impl RedisServer {
         } else {
             PathBuf::from("redis-cli")
         };
-        let status = Command::new(cli)
+        let mut create = Command::new(cli);
+        if let Some(certs) = certs {
+            create
+                .arg("--tls")
+                .arg("--cacert")
+                .arg(certs.path("ca.crt"));
+        }
+        let status = create
             .arg("--cluster")
             .arg("create")
-            .args(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)))
+            .args(
+                nodes
+                    .iter()
+                    .map(|n| format!("127.0.0.1:{}", n.tls_port.unwrap_or(n.port))),
+            )
             .args(["--cluster-replicas", &replicas.to_string()])
             .arg("--cluster-yes")
             .stdin(Stdio::null())
@@ -242,6 +285,37 @@ impl RedisServer {
             Some((name.to_owned(), master.port, quorum)),
             master.password.clone(),
         )
+    }
+
+    /// A Sentinel that listens with TLS (its [`url`](Self::url) is `rediss://`) and monitors
+    /// `master`, [started with TLS](Self::start_tls), on its TLS port (`tls-replication yes`),
+    /// so that it names the master's TLS address to clients.
+    pub fn start_sentinel_tls(
+        master: &RedisServer,
+        name: &str,
+        quorum: u32,
+        certs: &TestCertificates,
+    ) -> io::Result<Self> {
+        let master_port = master
+            .tls_port
+            .ok_or_else(|| io::Error::other("the master was not started with TLS"))?;
+        let tls_port = free_port()?;
+        let file = |name: &str| certs.dir.join(name).to_string_lossy().into_owned();
+        let lines = vec![
+            format!("tls-port {tls_port}"),
+            format!("tls-cert-file {}", file("server.crt")),
+            format!("tls-key-file {}", file("server.key")),
+            format!("tls-ca-cert-file {}", file("ca.crt")),
+            "tls-auth-clients no".to_owned(),
+            "tls-replication yes".to_owned(),
+        ];
+        let mut sentinel = Self::start_as(
+            lines,
+            Some((name.to_owned(), master_port, quorum)),
+            master.password.clone(),
+        )?;
+        sentinel.tls_port = Some(tls_port);
+        Ok(sentinel)
     }
 
     fn start_with(extra: Vec<String>) -> io::Result<Self> {
@@ -385,8 +459,10 @@ impl RedisServer {
                      sentinel monitor {name} 127.0.0.1 {master} {quorum}\n\
                      sentinel down-after-milliseconds {name} 300\n\
                      sentinel failover-timeout {name} 2000\n\
-                     sentinel parallel-syncs {name} 1\n{auth}",
+                     sentinel parallel-syncs {name} 1\n{auth}{extra}\n",
                     dir = self.dir.display(),
+                    // Extra configuration lines (TLS).
+                    extra = self.extra.join("\n"),
                     auth = self.password.as_ref().map_or_else(String::new, |Password(p)| format!(
                         "requirepass {p}\nsentinel auth-pass {name} {p}\nsentinel sentinel-pass {p}\n"
                     )),
