@@ -1105,7 +1105,18 @@ impl AcquireCall<'_> {
             // clear read shares or permits whose leases have ended.
             Self::Set { set, req } => match set.query_async::<Option<String>>(conn).await {
                 Ok(None) => Ok(Attempt::Held { fence: 0 }),
-                Ok(Some(value)) if value == token => Ok(Attempt::Held { fence: 0 }),
+                // The lease must count from this attempt, as the caller's deadline will: the
+                // earlier send set it from then. Lengthened only if still this owner's.
+                Ok(Some(value)) if value == token => {
+                    let mut extend = scripts::EXTEND.key(&req.lock);
+                    extend.arg(&req.token).arg(millis(req.lease));
+                    let extended: i64 = extend.invoke_async(conn).await?;
+                    Ok(if extended == 1 {
+                        Attempt::Held { fence: 0 }
+                    } else {
+                        Attempt::Busy { holder_ttl: None }
+                    })
+                }
                 Ok(Some(_)) => {
                     let left: i64 = redis::cmd("PTTL").arg(&req.lock).query_async(conn).await?;
                     Ok(Attempt::Busy {

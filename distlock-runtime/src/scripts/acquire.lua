@@ -25,6 +25,10 @@ local kind = kind_of(lock)
 if plain and kind == 'foreign' then
   -- The string form: held when it is this owner's (a resend), busy otherwise.
   if redis.pcall('get', lock) == token then
+    -- A resend: the lease counts from this attempt, as the caller's own deadline does.
+    if redis.call('pttl', lock) < lease then
+      redis.call('pexpire', lock, lease)
+    end
     return {1, 0}
   end
   return {0, redis.call('pttl', lock)}
