@@ -218,3 +218,24 @@ fn bad_settings_are_clear_errors_and_no_password_is_printed() {
     let usage = distlock(&[], &["frobnicate"], "");
     assert_eq!(usage.status.code(), Some(2));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_reads_every_master_of_a_cluster() {
+    let nodes = distlock::testing::RedisServer::start_cluster(3).unwrap();
+    let locks = distlock::LockManager::builder()
+        .cluster(nodes.iter().map(|n| n.url()))
+        .key_prefix("cli-cluster:")
+        .build()
+        .await
+        .unwrap();
+    let mut guards = Vec::new();
+    for i in 0..20 {
+        guards.push(locks.lock(format!("job:{i}")).acquire().await.unwrap());
+    }
+    let listed = locks.list("job:*").await.unwrap();
+    assert_eq!(listed.len(), 20, "{listed:?}");
+    let removed = locks.force_release("job:7").await.unwrap().unwrap();
+    assert_eq!(removed.holders[0].token, guards[7].token());
+    assert!(locks.inspect("job:7").await.unwrap().is_none());
+    assert_eq!(locks.list("*").await.unwrap().len(), 19);
+}
