@@ -52,6 +52,9 @@ pub(crate) struct ConnectOptions {
     pub(crate) restart_delay: Duration,
     /// Credentials and TLS material beyond what the URLs say.
     pub(crate) security: Arc<Security>,
+    /// What this manager's releases of plain locks publish on the wake channel, so that its
+    /// own waiters can tell them from other processes' releases.
+    pub(crate) tag: Arc<str>,
 }
 
 /// One Redis server (or anything that speaks to one endpoint).
@@ -85,6 +88,7 @@ struct Pool {
     /// The server's native compare-and-delete, as found at `build()`.
     delete: Mutex<NativeDelete>,
     security: Arc<Security>,
+    tag: Arc<str>,
 }
 
 /// A server's native compare-and-delete, if it has one; without, a small script does it.
@@ -197,6 +201,7 @@ impl Node {
                 replicated: Mutex::new(HashMap::new()),
                 delete: Mutex::new(NativeDelete::Script),
                 security: options.security,
+                tag: options.tag,
             }),
         };
         Ok(node)
@@ -704,7 +709,7 @@ impl Node {
         } = ids;
         let mut conn = self.conn().await?;
         if *plain {
-            return self.unlock(&mut conn, ids, keep).await;
+            return Ok(self.unlock(&mut conn, ids, keep).await?.is_some());
         }
         let call = match share {
             Some(share) => {
@@ -725,10 +730,23 @@ impl Node {
         Ok(released == 1)
     }
 
+    /// Gives back a plain lock (as [`release`](Self::release)), and answers how many
+    /// subscribers heard the wake-up: `None` when the token did not hold it.
+    pub(crate) async fn release_plain(&self, ids: &HoldIds) -> RedisResult<Option<u64>> {
+        let mut conn = self.conn().await?;
+        self.unlock(&mut conn, ids, Duration::ZERO).await
+    }
+
     /// Gives back a plain lock (string form): with the server's native compare-and-delete
     /// and the wake-up sent together, or with the `unlock.lua` script (also for `min_hold`,
-    /// which leaves a marker behind).
-    async fn unlock(&self, conn: &mut Conn, ids: &HoldIds, keep: Duration) -> RedisResult<bool> {
+    /// which leaves a marker behind). `None` when the token did not hold it; otherwise how
+    /// many subscribers heard the wake-up.
+    async fn unlock(
+        &self,
+        conn: &mut Conn,
+        ids: &HoldIds,
+        keep: Duration,
+    ) -> RedisResult<Option<u64>> {
         let delete = match self.delete() {
             _ if !keep.is_zero() => None,
             NativeDelete::Script => None,
@@ -750,10 +768,11 @@ impl Node {
             let mut call = scripts::UNLOCK.key(&ids.lock);
             call.key(&ids.wake)
                 .arg(&ids.token)
-                .arg(u64::try_from(keep.as_millis()).unwrap_or(u64::MAX));
+                .arg(u64::try_from(keep.as_millis()).unwrap_or(u64::MAX))
+                .arg(&*self.pool.tag);
             let bounds = conn.bounds();
             let released: i64 = self.watch(self.answer(bounds, call.invoke_async(conn)).await)?;
-            return Ok(released == 1);
+            return Ok(u64::try_from(released - 1).ok());
         };
         // Both go out back to back on the multiplexed connection: one round trip. The wake-up
         // is sent whatever the delete finds; a waiter woken for nothing finds the lock busy
@@ -763,22 +782,28 @@ impl Node {
             .add_command(delete)
             .cmd("PUBLISH")
             .arg(&ids.wake)
-            .arg("");
+            .arg(&*self.pool.tag);
         let answers = self
             .answer(
                 conn.bounds(),
                 both.query_async::<Vec<RedisResult<i64>>>(conn),
             )
             .await;
-        let deleted = match answers {
-            Ok(mut answers) if !answers.is_empty() => answers.swap_remove(0),
-            Ok(_) => Err(io::Error::other("no answer to the compare-and-delete").into()),
-            Err(error) => Err(error),
+        let (deleted, heard) = match answers {
+            Ok(answers) => {
+                let mut answers = answers.into_iter();
+                let deleted = answers.next().unwrap_or_else(|| {
+                    Err(io::Error::other("no answer to the compare-and-delete").into())
+                });
+                let heard = answers.next().and_then(Result::ok).unwrap_or(0);
+                (deleted, u64::try_from(heard).unwrap_or(0))
+            }
+            Err(error) => (Err(error), 0),
         };
         match deleted {
-            Ok(deleted) => Ok(deleted == 1),
+            Ok(deleted) => Ok((deleted == 1).then_some(heard)),
             // Another kind's hash at the key: not this owner's lock.
-            Err(error) if error.code() == Some("WRONGTYPE") => Ok(false),
+            Err(error) if error.code() == Some("WRONGTYPE") => Ok(None),
             // A user whose ACL does not list the native command: the script from now on.
             Err(error) if denied(&error) => {
                 tracing::info!(
@@ -787,6 +812,43 @@ impl Node {
                 *self.pool.delete.lock().unwrap_or_else(|e| e.into_inner()) = NativeDelete::Script;
                 Box::pin(self.unlock(conn, ids, keep)).await
             }
+            Err(error) => self.watch(Err(error)),
+        }
+    }
+
+    /// Passes the plain lock of `ids` to the owner `next` with `lease`, if `ids` still owns
+    /// it: with a conditional `SET … IFEQ` where the server has one (it came with the native
+    /// compare-and-delete), with `handoff.lua` otherwise. `false` when it did not own it.
+    pub(crate) async fn hand_off(
+        &self,
+        ids: &HoldIds,
+        next: &str,
+        lease: Duration,
+    ) -> RedisResult<bool> {
+        let mut conn = self.conn().await?;
+        let bounds = conn.bounds();
+        if self.delete() == NativeDelete::Script {
+            let mut call = scripts::HANDOFF.key(&ids.lock);
+            call.arg(&ids.token).arg(next).arg(millis(lease));
+            let swapped: i64 =
+                self.watch(self.answer(bounds, call.invoke_async(&mut conn)).await)?;
+            return Ok(swapped == 1);
+        }
+        let swap = redis::cmd("SET")
+            .arg(&ids.lock)
+            .arg(next)
+            .arg("IFEQ")
+            .arg(&ids.token)
+            .arg("PX")
+            .arg(millis(lease))
+            .to_owned();
+        match self
+            .answer(bounds, swap.query_async::<Option<String>>(&mut conn))
+            .await
+        {
+            Ok(swapped) => Ok(swapped.is_some()),
+            // Another kind's hash at the key: not this owner's lock.
+            Err(error) if error.code() == Some("WRONGTYPE") => Ok(false),
             Err(error) => self.watch(Err(error)),
         }
     }
@@ -1375,6 +1437,36 @@ impl Backend {
         match error {
             Some(error) if answered < self.quorum => Err(error),
             _ => Ok(not_held < self.quorum),
+        }
+    }
+
+    /// Whether a release may hand a plain lock straight to a local waiter: one node (or
+    /// Sentinel, or Cluster), whose grants need nothing more than the swap. Not with RedLock,
+    /// where a grant takes a majority, nor with `sync_replicas`, where it takes a WAIT.
+    pub(crate) fn hands_off(&self) -> bool {
+        self.single()
+            .is_some_and(|node| node.pool.sync_replicas.is_none())
+    }
+
+    /// Gives back a plain lock on one node: `None` when the token did not hold it, otherwise
+    /// how many subscribers (managers with waiters) heard the wake-up.
+    pub(crate) async fn release_plain(&self, ids: &HoldIds) -> RedisResult<Option<u64>> {
+        match self.single() {
+            Some(node) => node.release_plain(ids).await,
+            None => Ok(self.release(ids, Duration::ZERO).await?.then_some(0)),
+        }
+    }
+
+    /// Passes a plain lock to the owner `next` (see [`hands_off`](Self::hands_off)).
+    pub(crate) async fn hand_off(
+        &self,
+        ids: &HoldIds,
+        next: &str,
+        lease: Duration,
+    ) -> RedisResult<bool> {
+        match self.single() {
+            Some(node) => node.hand_off(ids, next, lease).await,
+            None => Ok(false),
         }
     }
 

@@ -16,6 +16,7 @@ use crate::key::Keys;
 use crate::lease::{LeaseState, saturating_add};
 use crate::lock::check_ttl;
 use crate::manager::{Inner, LockManager};
+use crate::waiters::{Next, Offer};
 use crate::watchdog::Registration;
 
 /// How an acquisition went: attempts made and time spent before the lock was held.
@@ -266,6 +267,28 @@ impl LockGuard {
         // Sends the release again from the background if this future is dropped midway.
         let mut unanswered = Unanswered(Some((inner.clone(), self.ids(), keep_until)));
         let mut retried = false;
+        if self.parts.held.ids.plain && keep_until.is_none() && inner.backend.hands_off() {
+            match inner
+                .waiters
+                .next(&self.parts.held.ids.wake, self.parts.lease.ttl())
+            {
+                Next::Release => {}
+                Next::Yield => {
+                    let outcome = self.yield_to_all().await;
+                    unanswered.0 = None;
+                    return outcome;
+                }
+                Next::HandOff(offer) => match self.hand_off(offer).await? {
+                    Some(outcome) => {
+                        unanswered.0 = None;
+                        return outcome;
+                    }
+                    // No answer: whether the owner changed is unknown. The release below
+                    // settles it (the waiter, told nothing, tries by itself meanwhile).
+                    None => retried = true,
+                },
+            }
+        }
         let outcome = loop {
             let ids = self.ids();
             let keep = keep_from(keep_until);
@@ -295,6 +318,80 @@ impl LockGuard {
         outcome
     }
 
+    /// Ends a run of local hand-offs: releases to every process alike, and lets the local
+    /// waiters sit out while other processes' waiters take their turns.
+    async fn yield_to_all(&self) -> Result<(), LockError> {
+        let inner = &self.parts.manager.inner;
+        let ids = self.ids();
+        let lease = self.parts.lease.ttl();
+        let release = {
+            let ids = ids.clone();
+            move |backend: crate::backend::Backend| async move { backend.release_plain(&ids).await }
+        };
+        match inner.exec(release).await? {
+            Ok(Some(heard)) => {
+                inner.waiters.yielded(&ids.wake, heard, lease);
+                Ok(())
+            }
+            Ok(None) => {
+                inner.waiters.released(&ids.wake);
+                self.parts.lease.mark_lost();
+                Err(self.lost_error())
+            }
+            Err(error) => {
+                inner.waiters.released(&ids.wake);
+                // Sent again from the background: whether it arrived is unknown.
+                release_in_background(inner, ids, None);
+                Err(LockError::redis(self.key(), error))
+            }
+        }
+    }
+
+    /// Passes the lock to a local waiter's `offer` in one round trip: the owner becomes the
+    /// waiter's token, with the waiter's lease, if this owner still holds it. `None` when the
+    /// answer was lost; otherwise the release's outcome.
+    async fn hand_off(&self, offer: Offer) -> Result<Option<Result<(), LockError>>, LockError> {
+        let inner = &self.parts.manager.inner;
+        let ids = self.ids();
+        let Offer {
+            token,
+            lease,
+            handed,
+            ..
+        } = offer;
+        let next = Arc::new(HoldIds {
+            token: token.clone(),
+            hold: token,
+            ..(*ids).clone()
+        });
+        let sent = Instant::now();
+        let swap = {
+            let (ids, next) = (ids.clone(), next.clone());
+            move |backend: crate::backend::Backend| async move {
+                backend.hand_off(&ids, &next.token, lease).await
+            }
+        };
+        match inner.exec(swap).await? {
+            Ok(true) => {
+                inner.waiters.handed_off();
+                tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "handed over");
+                // A waiter that gave up meanwhile drops it, which gives the lock back.
+                let _ = handed.send(Handed {
+                    sent,
+                    unclaimed: Some((inner.clone(), next)),
+                });
+                Ok(Some(Ok(())))
+            }
+            // Not this owner's any more: the waiter, told nothing, tries by itself.
+            Ok(false) => {
+                self.parts.lease.mark_lost();
+                Ok(Some(Err(self.lost_error())))
+            }
+            Err(error) if error.is_io_error() => Ok(None),
+            Err(error) => Ok(Some(Err(LockError::redis(self.key(), error)))),
+        }
+    }
+
     fn ids(&self) -> Arc<HoldIds> {
         self.parts.held.ids.clone()
     }
@@ -321,6 +418,39 @@ impl Drop for LockGuard {
         if self.unlist() && self.parts.held.leave() {
             let keep_until = self.parts.held.keep_until();
             release_in_background(&self.parts.manager.inner, self.ids(), keep_until);
+        }
+    }
+}
+
+/// A lock handed over by a local release, on its way to the waiter that offered to take it.
+/// Dropped unclaimed (that waiter gave up meanwhile), it gives the lock back from the
+/// manager's runtime.
+pub(crate) struct Handed {
+    sent: Instant,
+    unclaimed: Option<(Arc<Inner>, Arc<HoldIds>)>,
+}
+
+impl Handed {
+    /// Takes the lock over: when the hand-off was sent, which is when its lease began.
+    pub(crate) fn claim(mut self) -> Instant {
+        self.unclaimed = None;
+        self.sent
+    }
+}
+
+impl fmt::Debug for Handed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Handed")
+            .field("sent", &self.sent)
+            .field("claimed", &self.unclaimed.is_none())
+            .finish()
+    }
+}
+
+impl Drop for Handed {
+    fn drop(&mut self) {
+        if let Some((inner, ids)) = self.unclaimed.take() {
+            release_in_background(&inner, ids, None);
         }
     }
 }

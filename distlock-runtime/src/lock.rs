@@ -5,12 +5,13 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
+use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use crate::LockError;
 use crate::backend::{AcquireRequest, Attempt, Shape};
 use crate::context::{self, Held, Kind};
-use crate::guard::{Acquired, LockGuard, Parts, keep_until};
+use crate::guard::{Acquired, Handed, LockGuard, Parts, keep_until};
 use crate::key::Keys;
 use crate::lease::LeaseState;
 use crate::manager::LockManager;
@@ -435,10 +436,18 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
     // this request may overlap the holders (a free permit, readers inside); queueing it
     // behind them could make it wait for a lock the server would grant, even for itself.
     let shares = matches!(plan.kind, RequestKind::Read | RequestKind::Permits(_));
+    // A plain lock can be handed over by a local release, in that release's round trip.
+    let hand_off = matches!(request.shape, Shape::Plain) && inner.backend.hands_off();
     let mut ticket = (queues && !shares && inner.waiters.has_waiters(&request.wake)).then(join);
-    let mut failure: Option<redis::RedisError>;
+    let mut failure: Option<redis::RedisError> = None;
     let mut attempts = 0u32;
+    // The receiving end of this waiter's standing offer to take the lock from a local release
+    // (see `waiters`), while one stands.
+    let mut offer: Option<oneshot::Receiver<Handed>> = None;
     loop {
+        if let (true, Some(waiting), None) = (hand_off, &ticket, &offer) {
+            offer = Some(waiting.offer(&request.token, plan.ttl));
+        }
         if let Some(ticket) = &ticket {
             // Every step of waiting for a turn, the wake channel included, ends by the deadline.
             let turn = async {
@@ -451,92 +460,151 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
                     None => std::future::pending().await,
                 }
             };
-            tokio::select! {
-                () = turn => {}
+            // A hand-off may come before this task even sees its turn.
+            let handed = tokio::select! {
+                () = turn => None,
+                handed = receive(&mut offer) => handed,
                 _ = deadline => {
                     return Err(give_up(attempts, ticket.last_failure()));
                 }
                 () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
+            };
+            if let Some(handed) = handed {
+                drop(in_flight);
+                let taken = Taken {
+                    attempts,
+                    started,
+                    handed,
+                    ticket: Some(ticket),
+                    record,
+                };
+                return Ok(taken.grant(manager, plan, request, kind));
             }
         }
         let seen = ticket.as_ref().map(Ticket::wakes);
-        attempts += 1;
-        crate::metrics::attempt(plan.metrics);
-        let sent = Instant::now();
-        in_flight.maybe_held = true;
-        let attempt = request.clone();
-        let outcome = inner
-            .exec(move |backend| async move { backend.acquire(&attempt).await })
-            .await?;
-        let holder_ttl = match outcome {
-            Ok(Attempt::Held { fence }) => {
-                in_flight.maybe_held = false;
-                drop(in_flight);
-                crate::metrics::handed_over(plan.metrics, ticket.is_some());
-                let acquired = Acquired {
-                    attempts,
-                    waited: started.elapsed(),
-                    sent,
+        // A task of this manager holds the lock: its release hands it over (or wakes this
+        // head); asking the server now would only hear "busy".
+        let sibling_holds = hand_off && ticket.as_ref().is_some_and(Ticket::held_here);
+        // Or this manager just had a run of hand-offs: other processes' turns come first.
+        let sitting_out = ticket.as_ref().and_then(Ticket::sitting_out);
+        let holder_ttl = if sibling_holds || sitting_out.is_some() {
+            None
+        } else {
+            // No offer stands while this waiter asks the server itself; one a release took
+            // meanwhile decides first.
+            if let (Some(receiver), Some(waiting)) = (offer.take(), &ticket)
+                && !waiting.withdraw()
+            {
+                let deadline = async {
+                    match deadline {
+                        Some(deadline) => inner.sleep_until(deadline).await,
+                        None => std::future::pending().await,
+                    }
                 };
-                tracing::debug!(attempts, waited = ?acquired.waited, "acquired");
-                let request = Arc::unwrap_or_clone(request);
-                return Ok(grant(manager, plan, request, kind, fence, acquired, record));
-            }
-            Ok(Attempt::Busy { holder_ttl }) => {
-                in_flight.maybe_held = false;
-                failure = None;
-                holder_ttl
-            }
-            // Waiting cannot help: the other users of the key must agree on the count first.
-            Ok(Attempt::PermitsMismatch { stored }) => {
-                in_flight.maybe_held = false;
-                let requested = match plan.kind {
-                    RequestKind::Permits(permits) => permits,
-                    _ => 0,
+                // Within that release's bounds.
+                let handed = tokio::select! {
+                    handed = receiver => handed.ok(),
+                    _ = deadline => return Err(give_up(attempts, waiting.last_failure())),
+                    () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
                 };
-                return Err(LockError::PermitsMismatch {
-                    key: plan.keys.name.clone(),
-                    stored,
-                    requested,
-                });
+                if let Some(handed) = handed {
+                    drop(in_flight);
+                    let taken = Taken {
+                        attempts,
+                        started,
+                        handed,
+                        ticket: Some(waiting),
+                        record,
+                    };
+                    return Ok(taken.grant(manager, plan, request, kind));
+                }
             }
-            Ok(Attempt::Unreplicated { acked, wanted }) => {
-                in_flight.maybe_held = false;
-                return Err(LockError::NotReplicated {
-                    key: plan.keys.name.clone(),
-                    acked,
-                    wanted,
-                });
+            attempts += 1;
+            crate::metrics::attempt(plan.metrics);
+            let sent = Instant::now();
+            in_flight.maybe_held = true;
+            let attempt = request.clone();
+            let outcome = inner
+                .exec(move |backend| async move { backend.acquire(&attempt).await })
+                .await?;
+            let holder_ttl = match outcome {
+                Ok(Attempt::Held { fence }) => {
+                    in_flight.maybe_held = false;
+                    drop(in_flight);
+                    if let (true, Some(ticket)) = (hand_off, &ticket) {
+                        ticket.holding();
+                    }
+                    crate::metrics::handed_over(plan.metrics, ticket.is_some());
+                    let acquired = Acquired {
+                        attempts,
+                        waited: started.elapsed(),
+                        sent,
+                    };
+                    tracing::debug!(attempts, waited = ?acquired.waited, "acquired");
+                    let request = Arc::unwrap_or_clone(request);
+                    return Ok(grant(manager, plan, request, kind, fence, acquired, record));
+                }
+                Ok(Attempt::Busy { holder_ttl }) => {
+                    in_flight.maybe_held = false;
+                    failure = None;
+                    holder_ttl
+                }
+                // Waiting cannot help: the other users of the key must agree on the count first.
+                Ok(Attempt::PermitsMismatch { stored }) => {
+                    in_flight.maybe_held = false;
+                    let requested = match plan.kind {
+                        RequestKind::Permits(permits) => permits,
+                        _ => 0,
+                    };
+                    return Err(LockError::PermitsMismatch {
+                        key: plan.keys.name.clone(),
+                        stored,
+                        requested,
+                    });
+                }
+                Ok(Attempt::Unreplicated { acked, wanted }) => {
+                    in_flight.maybe_held = false;
+                    return Err(LockError::NotReplicated {
+                        key: plan.keys.name.clone(),
+                        acked,
+                        wanted,
+                    });
+                }
+                // A lost reply may hide a granted lock: the next attempt resends the same hold,
+                // which the script recognises; `in_flight` releases it if none follows.
+                Err(error) if is_transient(&error) => {
+                    tracing::debug!(attempts, %error, "acquire attempt failed");
+                    failure = Some(error);
+                    None
+                }
+                Err(error) => return Err(LockError::redis(&plan.keys.name, error)),
+            };
+            if let Some(ticket) = &ticket {
+                ticket.heard(failure.clone());
             }
-            // A lost reply may hide a granted lock: the next attempt resends the same hold,
-            // which the script recognises; `in_flight` releases it if none follows.
-            Err(error) if is_transient(&error) => {
-                tracing::debug!(attempts, %error, "acquire attempt failed");
-                failure = Some(error);
-                None
+            let now = Instant::now();
+            if attempts > plan.retries || deadline.is_some_and(|d| d <= now) {
+                return Err(give_up(attempts, failure));
             }
-            Err(error) => return Err(LockError::redis(&plan.keys.name, error)),
+            if ticket.is_none() && queues {
+                // First time busy: queue up and follow the wake channel, then look again at once
+                // (a release between the busy answer and the subscription publishes unheard).
+                let joined = join();
+                joined.heard(failure.clone());
+                ticket = Some(joined);
+                continue;
+            }
+            holder_ttl
         };
-        if let Some(ticket) = &ticket {
-            ticket.heard(failure.clone());
-        }
         let now = Instant::now();
-        if attempts > plan.retries || deadline.is_some_and(|d| d <= now) {
-            return Err(give_up(attempts, failure));
-        }
-        if ticket.is_none() && queues {
-            // First time busy: queue up and follow the wake channel, then look again at once
-            // (a release between the busy answer and the subscription publishes unheard).
-            let joined = join();
-            joined.heard(failure.clone());
-            ticket = Some(joined);
-            continue;
+        if deadline.is_some_and(|d| d <= now) {
+            return Err(give_up(attempts, last_word(&ticket, &failure)));
         }
         // Wait for a release, or for the fallback timer (backoff with full jitter, capped by
         // the holder's lease) that catches an expiry or a missed announcement.
         let mut until = now + plan.backoff.delay(attempts, holder_ttl);
-        if let Some(deadline) = deadline {
-            until = until.min(deadline);
+        for bound in [deadline, sitting_out].into_iter().flatten() {
+            until = until.min(bound);
         }
         let woken = async {
             match &ticket {
@@ -544,14 +612,74 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
                 None => std::future::pending().await,
             }
         };
-        tokio::select! {
-            () = woken => {}
-            _ = inner.sleep_until(until) => {}
+        // Ready for a hand-off again while this waits.
+        if let (true, Some(waiting), None) = (hand_off, &ticket, &offer) {
+            offer = Some(waiting.offer(&request.token, plan.ttl));
+        }
+        let handed = tokio::select! {
+            handed = receive(&mut offer) => handed,
+            () = woken => None,
+            _ = inner.sleep_until(until) => None,
             () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
+        };
+        if let Some(handed) = handed {
+            drop(in_flight);
+            let taken = Taken {
+                attempts,
+                started,
+                handed,
+                ticket: ticket.as_ref(),
+                record,
+            };
+            return Ok(taken.grant(manager, plan, request, kind));
         }
         if deadline.is_some_and(|d| d <= Instant::now()) {
             return Err(give_up(attempts, last_word(&ticket, &failure)));
         }
+    }
+}
+
+/// Waits for the hand-off behind a standing offer: `None` (and the offer gone) when the
+/// release that took it could not hand the lock over; pending while no offer stands.
+async fn receive(offer: &mut Option<oneshot::Receiver<Handed>>) -> Option<Handed> {
+    let Some(receiver) = offer else {
+        return std::future::pending().await;
+    };
+    let handed = receiver.await.ok();
+    *offer = None;
+    handed
+}
+
+/// A lock a local release handed to a waiting request.
+struct Taken<'t> {
+    attempts: u32,
+    started: Instant,
+    handed: Handed,
+    ticket: Option<&'t Ticket>,
+    record: bool,
+}
+
+impl Taken<'_> {
+    /// The guard: its lease began when the hand-off was sent.
+    fn grant(
+        self,
+        manager: &LockManager,
+        plan: Plan,
+        request: Arc<AcquireRequest>,
+        kind: Kind,
+    ) -> LockGuard {
+        if let Some(ticket) = self.ticket {
+            ticket.holding();
+        }
+        crate::metrics::handed_over(plan.metrics, true);
+        let acquired = Acquired {
+            attempts: self.attempts,
+            waited: self.started.elapsed(),
+            sent: self.handed.claim(),
+        };
+        tracing::debug!(attempts = self.attempts, waited = ?acquired.waited, "handed over");
+        let request = Arc::unwrap_or_clone(request);
+        grant(manager, plan, request, kind, 0, acquired, self.record)
     }
 }
 

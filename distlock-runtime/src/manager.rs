@@ -90,6 +90,12 @@ pub struct Stats {
     pub waiting_keys: usize,
     /// Leases the watchdog renews right now (0 once every watched guard is gone).
     pub watched_leases: usize,
+    /// Locks this manager's releases handed straight to one of its own waiting tasks, in
+    /// the release's round trip (see [`LockGuard::release`](crate::LockGuard::release)).
+    pub local_handoffs: u64,
+    /// Waiting tasks ready to take such a hand-off right now (at most one per key: the head
+    /// of its local queue, between its attempts).
+    pub ready_for_handoff: usize,
 }
 
 impl LockManager {
@@ -174,6 +180,8 @@ impl LockManager {
             leases_lost: counters.lost.load(Ordering::Relaxed),
             waiting_keys: self.inner.waiters.waiting_keys(),
             watched_leases: self.inner.watchdog.watched(),
+            local_handoffs: self.inner.waiters.handoffs(),
+            ready_for_handoff: self.inner.waiters.offers(),
         }
     }
 
@@ -529,6 +537,7 @@ impl LockManagerBuilder {
             .collect::<Vec<_>>()
             .join(", ");
         let driver = Driver::start()?;
+        let tag: Arc<str> = format!("{:016x}", fastrand::u64(..)).into();
         // Longer than any lease is as good as forever, and still fits on a clock.
         let options = ConnectOptions {
             connect_timeout: self.connect_timeout.min(MAX_TTL),
@@ -538,6 +547,7 @@ impl LockManagerBuilder {
                 .map(|(replicas, timeout)| (replicas, timeout.min(MAX_TTL))),
             restart_delay: self.restart_delay.unwrap_or(self.defaults.ttl).min(MAX_TTL),
             security: Arc::new(self.security.clone()),
+            tag: tag.clone(),
         };
         let (connect_timeout, response_timeout) =
             (options.connect_timeout, options.response_timeout);
@@ -575,7 +585,7 @@ impl LockManagerBuilder {
                 backend,
                 driver: Arc::new(driver),
                 watchdog: Watchdog::default(),
-                waiters: Waiters::new(connect_timeout, response_timeout),
+                waiters: Waiters::new(connect_timeout, response_timeout, tag),
                 holds: Holds::default(),
                 prefix: self.prefix,
                 defaults: self.defaults,

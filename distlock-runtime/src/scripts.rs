@@ -49,6 +49,11 @@ pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
 pub(crate) static UNLOCK: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("scripts/unlock.lua")));
 
+/// Pass a plain exclusive lock from its owner to the next one: 1 handed over, 0 not held.
+/// Used where the server has no conditional `SET … IFEQ`.
+pub(crate) static HANDOFF: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("scripts/handoff.lua")));
+
 /// Take the write side of a read-write lock: `{1, fence}` or `{0, pttl}`.
 pub(crate) static WRITE_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
@@ -91,9 +96,10 @@ pub(crate) static MULTI_RELEASE: LazyLock<Script> = LazyLock::new(|| {
 });
 
 /// Every script, for loading them all when a manager connects.
-pub(crate) fn all() -> [&'static Script; 10] {
+pub(crate) fn all() -> [&'static Script; 11] {
     [
         &UNLOCK,
+        &HANDOFF,
         &ACQUIRE,
         &RELEASE,
         &EXTEND,

@@ -7,6 +7,13 @@
 //! manager also wakes the head directly. A timed retry with full jitter, bounded by the
 //! holder's remaining lease, stays as the fallback for expiries (which publish nothing) and
 //! for a pub/sub connection that is down.
+//!
+//! A waiter whose request is a plain exclusive lock also leaves an *offer* while it waits (not
+//! while an attempt of its own is in flight): its owner token and lease. A release by this
+//! manager takes the offer of the queue's head and swaps the owner on the server to that
+//! token in its own round trip (see `guard.rs`), then hands the grant over through the
+//! offer's channel: no publish, no wake-up, no second attempt. A run of such hand-offs is
+//! bounded, so that other processes get their turn.
 
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
@@ -42,6 +49,10 @@ struct Shared {
     closed: AtomicU64,
     /// Set by `close`: no pub/sub connection from then on.
     shut: AtomicBool,
+    /// Locks handed to a local waiter by a release.
+    handoffs: AtomicU64,
+    /// What this manager's releases publish (see `ConnectOptions::tag`).
+    tag: Arc<str>,
     connect_timeout: Duration,
     response_timeout: Duration,
 }
@@ -83,8 +94,50 @@ pub(crate) struct KeyState {
 
 #[derive(Debug, Default)]
 struct Queue {
-    ids: VecDeque<u64>,
+    /// The waiters in arrival order, each with its standing offer, if it left one.
+    entries: VecDeque<Entry>,
     next_id: u64,
+    /// The current run of local hand-offs: how many, since when.
+    chain: Option<(u32, Instant)>,
+    /// A waiter of this manager took the plain lock and has not released it yet, as far as
+    /// this manager knows (a lease that ran out is not seen here: the head's timer is).
+    held_here: bool,
+    /// After a run of hand-offs ended in a release to everyone: how many releases by other
+    /// processes the local head lets pass before it competes again, and until when at most.
+    sitting_out: Option<(u64, Instant)>,
+}
+
+/// Local hand-offs in a row, at most, before a release goes to everyone.
+const CHAIN: u32 = 4;
+/// The longest run of local hand-offs; a tenth of the holder's lease when that is shorter.
+const SLICE: Duration = Duration::from_millis(50);
+
+#[derive(Debug)]
+struct Entry {
+    id: u64,
+    offer: Option<Offer>,
+}
+
+/// A waiter's standing offer: the owner token and lease it would take the lock with, and
+/// where to hand the grant.
+#[derive(Debug)]
+pub(crate) struct Offer {
+    pub(crate) token: String,
+    pub(crate) lease: Duration,
+    pub(crate) handed: tokio::sync::oneshot::Sender<crate::guard::Handed>,
+}
+
+/// What a release should do about the local waiters of its key.
+#[derive(Debug)]
+pub(crate) enum Next {
+    /// Release, and wake the local head (nobody waits here, or the head is asking the server
+    /// itself right now).
+    Release,
+    /// Hand the lock to this waiter.
+    HandOff(Offer),
+    /// The run of hand-offs is over: release to every process alike, waking nobody here
+    /// ahead of the others (the local waiters hear the publish like everyone else).
+    Yield,
 }
 
 /// A place in a key's queue; leaving (drop) lets the next waiter compete.
@@ -99,7 +152,11 @@ pub(crate) struct Ticket {
 
 impl Waiters {
     /// No waiters yet; pub/sub operations are bounded by the manager's timeouts.
-    pub(crate) fn new(connect_timeout: Duration, response_timeout: Duration) -> Self {
+    pub(crate) fn new(
+        connect_timeout: Duration,
+        response_timeout: Duration,
+        tag: Arc<str>,
+    ) -> Self {
         Self {
             shared: Arc::new(Shared {
                 keys: Mutex::default(),
@@ -107,6 +164,8 @@ impl Waiters {
                 generation: AtomicU64::new(0),
                 closed: AtomicU64::new(0),
                 shut: AtomicBool::new(false),
+                handoffs: AtomicU64::new(0),
+                tag,
                 connect_timeout,
                 response_timeout,
             }),
@@ -116,6 +175,29 @@ impl Waiters {
     /// Whether any local request is waiting for the lock behind `channel`.
     pub(crate) fn has_waiters(&self, channel: &str) -> bool {
         self.shared.lock_keys().contains_key(channel)
+    }
+
+    /// How many locks releases handed to a local waiter so far.
+    pub(crate) fn handoffs(&self) -> u64 {
+        self.shared.handoffs.load(Ordering::Relaxed)
+    }
+
+    /// Counts a lock handed to a local waiter.
+    pub(crate) fn handed_off(&self) {
+        self.shared.handoffs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many local waiters stand ready for a hand-off right now.
+    pub(crate) fn offers(&self) -> usize {
+        let keys: Vec<_> = self.shared.lock_keys().values().cloned().collect();
+        keys.iter()
+            .filter(|key| {
+                key.lock_queue()
+                    .entries
+                    .front()
+                    .is_some_and(|head| head.offer.is_some())
+            })
+            .count()
     }
 
     /// How many keys have local waiters (and a subscription) right now.
@@ -164,7 +246,7 @@ impl Waiters {
             let mut queue = key.lock_queue();
             let id = queue.next_id;
             queue.next_id += 1;
-            queue.ids.push_back(id);
+            queue.entries.push_back(Entry { id, offer: None });
             id
         };
         Ticket {
@@ -176,10 +258,57 @@ impl Waiters {
         }
     }
 
+    /// What a release of the lock behind `channel` by this manager should do: hand it to the
+    /// local head's standing offer while the run of hand-offs is short, or release it. The
+    /// offer taken is gone from the queue: its waiter finds it taken and waits for the outcome.
+    pub(crate) fn next(&self, channel: &str, lease: Duration) -> Next {
+        let Some(key) = self.shared.lock_keys().get(channel).cloned() else {
+            return Next::Release;
+        };
+        let mut queue = key.lock_queue();
+        queue.held_here = false;
+        // Every release while local waiters are queued extends the run, whether it hands the
+        // lock over or wakes the head: either way the lock stays here.
+        let now = Instant::now();
+        let (count, since) = queue.chain.get_or_insert((0, now));
+        if *count >= CHAIN || now.duration_since(*since) >= SLICE.min(lease / 10) {
+            queue.chain = None;
+            return Next::Yield;
+        }
+        *count += 1;
+        let offer = queue
+            .entries
+            .front_mut()
+            .and_then(|head| head.offer.take_if(|offer| !offer.handed.is_closed()));
+        match offer {
+            Some(offer) => Next::HandOff(offer),
+            None => Next::Release,
+        }
+    }
+
+    /// A run of hand-offs ended with a release to everyone that `heard` subscribers heard.
+    /// Other managers waiting for the key get their turns first: the local head lets one
+    /// release by each of them pass (or a while, if they go quiet) before it competes again.
+    /// With nobody else listening, the local head is woken at once.
+    pub(crate) fn yielded(&self, channel: &str, heard: u64, lease: Duration) {
+        let Some(key) = self.shared.lock_keys().get(channel).cloned() else {
+            return;
+        };
+        let subscribed = key.subscribed_in.load(Ordering::Acquire) != 0;
+        let others = heard.saturating_sub(u64::from(subscribed));
+        if others == 0 {
+            return self.released(channel);
+        }
+        let slice = SLICE.min(lease / 10);
+        let until = Instant::now() + slice * 2 * u32::try_from(others).unwrap_or(u32::MAX);
+        key.lock_queue().sitting_out = Some((others, until));
+    }
+
     /// A lock behind `channel` was released by this manager: wake its local head at once.
     pub(crate) fn released(&self, channel: &str) {
         let key = self.shared.lock_keys().get(channel).cloned();
         if let Some(key) = key {
+            key.lock_queue().held_here = false;
             key.woken();
         }
     }
@@ -190,10 +319,19 @@ impl Shared {
         self.keys.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A message arrived on `channel`.
-    fn dispatch(&self, channel: &str) {
+    /// A message arrived on `channel`: a release, by this manager if it carries its tag.
+    fn dispatch(&self, channel: &str, message: &[u8]) {
         let key = self.lock_keys().get(channel).cloned();
         if let Some(key) = key {
+            if message != self.tag.as_bytes() {
+                let mut queue = key.lock_queue();
+                if let Some((left, _)) = &mut queue.sitting_out {
+                    *left = left.saturating_sub(1);
+                    if *left == 0 {
+                        queue.sitting_out = None;
+                    }
+                }
+            }
             key.woken();
         }
     }
@@ -322,6 +460,16 @@ impl Shared {
     }
 }
 
+impl Queue {
+    fn head(&self) -> Option<u64> {
+        self.entries.front().map(|entry| entry.id)
+    }
+
+    fn entry(&mut self, id: u64) -> Option<&mut Entry> {
+        self.entries.iter_mut().find(|entry| entry.id == id)
+    }
+}
+
 impl KeyState {
     fn lock_queue(&self) -> std::sync::MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
@@ -342,11 +490,66 @@ impl Ticket {
     pub(crate) async fn until_head(&self) {
         loop {
             let changed = self.key.head_changed.notified();
-            if self.key.lock_queue().ids.front() == Some(&self.id) {
+            if self.key.lock_queue().head() == Some(self.id) {
                 return;
             }
             changed.await;
         }
+    }
+
+    /// Leaves a standing offer for a local release to hand the lock over (see the module
+    /// docs): the lock would be taken with `token` for `lease`. Replaces an earlier offer of
+    /// this ticket; the receiver gets the grant.
+    pub(crate) fn offer(
+        &self,
+        token: &str,
+        lease: Duration,
+    ) -> tokio::sync::oneshot::Receiver<crate::guard::Handed> {
+        let (handed, receiver) = tokio::sync::oneshot::channel();
+        let offer = Offer {
+            token: token.to_owned(),
+            lease,
+            handed,
+        };
+        if let Some(entry) = self.key.lock_queue().entry(self.id) {
+            entry.offer = Some(offer);
+        }
+        receiver
+    }
+
+    /// Notes that this ticket's request took the (plain) lock: the next head leaves its offer
+    /// at once instead of asking the server.
+    pub(crate) fn holding(&self) {
+        self.key.lock_queue().held_here = true;
+    }
+
+    /// Until when the local head lets other processes' releases pass (see
+    /// [`Waiters::yielded`]), if it does now.
+    pub(crate) fn sitting_out(&self) -> Option<Instant> {
+        let mut queue = self.key.lock_queue();
+        match queue.sitting_out {
+            Some((_, until)) if Instant::now() < until => Some(until),
+            Some(_) => {
+                queue.sitting_out = None;
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// Whether a waiter of this manager holds the plain lock (see [`holding`](Self::holding)).
+    pub(crate) fn held_here(&self) -> bool {
+        self.key.lock_queue().held_here
+    }
+
+    /// Takes this ticket's offer back: `false` when a release already took it (its outcome
+    /// then arrives on the offer's receiver).
+    pub(crate) fn withdraw(&self) -> bool {
+        let mut queue = self.key.lock_queue();
+        queue
+            .entry(self.id)
+            .and_then(|entry| entry.offer.take())
+            .is_some()
     }
 
     /// The wake-up count now; pass it to [`woken_since`](Self::woken_since).
@@ -402,9 +605,9 @@ impl Drop for Ticket {
         let empty;
         {
             let mut queue = self.key.lock_queue();
-            was_head = queue.ids.front() == Some(&self.id);
-            queue.ids.retain(|&id| id != self.id);
-            empty = queue.ids.is_empty();
+            was_head = queue.head() == Some(self.id);
+            queue.entries.retain(|entry| entry.id != self.id);
+            empty = queue.entries.is_empty();
         }
         if was_head {
             self.key.head_changed.notify_waiters();
@@ -418,7 +621,7 @@ impl Drop for Ticket {
         {
             let mut keys = shared.lock_keys();
             // Another waiter may have joined meanwhile.
-            if self.key.lock_queue().ids.is_empty()
+            if self.key.lock_queue().entries.is_empty()
                 && keys
                     .get(&self.key.channel)
                     .is_some_and(|k| Arc::ptr_eq(k, &self.key))
@@ -456,7 +659,7 @@ async fn read(shared: Weak<Shared>, mut stream: PubSubStream, generation: u64) {
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        shared.dispatch(message.get_channel_name());
+        shared.dispatch(message.get_channel_name(), message.get_payload_bytes());
     }
     if let Some(shared) = shared.upgrade() {
         tracing::debug!("pub/sub connection lost");

@@ -7,9 +7,11 @@
 -- ARGV[1]  owner token
 -- ARGV[2]  milliseconds the key must still live (min_hold of a hold taken inside); "0"
 --          deletes it
+-- ARGV[3]  the wake-up message (the releasing manager's tag)
 --
--- Returns 1 when released, 0 when the caller did not hold the lock (expired, or another
--- owner or another kind holds the key now: left alone).
+-- Returns 1 + the number of subscribers that heard the wake-up when released, 0 when the
+-- caller did not hold the lock (expired, or another owner or another kind holds the key
+-- now: left alone).
 
 -- A key of another type (a hash: another lock kind) answers an error here: not ours.
 local value = redis.pcall('get', KEYS[1])
@@ -22,7 +24,6 @@ if keep > 0 then
   -- The ownerless min_hold marker, as release.lua leaves it.
   redis.call('hset', KEYS[1], 'mode', 'min_hold')
   redis.call('pexpire', KEYS[1], keep)
-else
-  redis.call('publish', KEYS[2], '')
+  return 1
 end
-return 1
+return 1 + redis.call('publish', KEYS[2], ARGV[3])
