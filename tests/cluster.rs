@@ -331,3 +331,31 @@ async fn a_release_wakes_a_waiter_on_a_cluster() {
     assert!(guard.attempts() >= 2);
     guard.release().await.unwrap();
 }
+
+/// A release hands a plain lock to a task of its own manager waiting for it, on whichever
+/// master owns the key's slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_hands_the_lock_to_a_local_waiter_on_a_cluster() {
+    let nodes = RedisServer::start_cluster(3).unwrap();
+    let locks = cluster(&nodes, "ho:").await;
+    let day = Duration::from_secs(24 * 3600);
+    let names: Vec<String> = (0..6).map(|i| format!("k{i}")).collect();
+    for (handed, name) in names.iter().enumerate() {
+        let held = locks.lock(name).ttl(day).acquire().await.unwrap();
+        let waiting = tokio::spawn({
+            let (locks, name) = (locks.clone(), name.clone());
+            async move { locks.lock(name).retry_delay(day).retries(5).acquire().await }
+        });
+        let started = std::time::Instant::now();
+        while locks.stats().ready_for_handoff == 0 {
+            assert!(started.elapsed() < Duration::from_secs(10), "never ready");
+            tokio::task::yield_now().await;
+        }
+        held.release().await.unwrap();
+        let guard = waiting.await.unwrap().unwrap();
+        assert_eq!(locks.stats().local_handoffs, handed as u64 + 1);
+        assert!(guard.is_held().await.unwrap());
+        guard.release().await.unwrap();
+    }
+    assert!(keys(&nodes, "ho:").is_empty());
+}
