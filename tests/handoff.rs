@@ -312,3 +312,50 @@ async fn a_handed_lock_is_renewed_and_nests_like_any_other() {
     guard.release().await.unwrap();
     assert!(keys(&server, &prefix).is_empty());
 }
+
+#[tokio::test]
+async fn the_next_waiter_is_not_stalled_by_a_handed_lock_whose_holder_vanished() {
+    let server = shared_server();
+    let prefix = unique_prefix("vanished");
+    let locks = manager(&server, &prefix).await;
+    let holder = locks.lock("k").ttl(LONG).acquire().await.unwrap();
+    let first = tokio::spawn({
+        let locks = locks.clone();
+        async move {
+            let guard = locks
+                .lock("k")
+                .ttl(Duration::from_millis(300))
+                .retry_delay(LONG)
+                .retries(10)
+                .acquire()
+                .await
+                .unwrap();
+            // A holder that never releases, as a stuck task would: only its lease ends it.
+            std::mem::forget(guard);
+        }
+    });
+    ready(&locks).await;
+    let second = tokio::spawn({
+        let locks = locks.clone();
+        async move {
+            // Its timer alone would wake it after hours; the vanished holder's lease must not
+            // make it wait that long.
+            locks
+                .lock("k")
+                .retry_delay(LONG)
+                .wait(Duration::from_secs(10))
+                .acquire()
+                .await
+        }
+    });
+    holder.release().await.unwrap();
+    first.await.unwrap();
+    let guard = second.await.unwrap().unwrap();
+    assert!(
+        guard.waited() < Duration::from_secs(5),
+        "{:?}",
+        guard.waited()
+    );
+    guard.release().await.unwrap();
+    assert_eq!(locks.stats().local_handoffs, 1);
+}

@@ -13,7 +13,7 @@ use crate::backend::{AcquireRequest, Attempt, Shape};
 use crate::context::{self, Held, Kind};
 use crate::guard::{Acquired, Handed, LockGuard, Parts, keep_until};
 use crate::key::Keys;
-use crate::lease::LeaseState;
+use crate::lease::{LeaseState, saturating_add};
 use crate::manager::LockManager;
 use crate::retry::Backoff;
 use crate::waiters::Ticket;
@@ -484,10 +484,16 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
         let seen = ticket.as_ref().map(Ticket::wakes);
         // A task of this manager holds the lock: its release hands it over (or wakes this
         // head); asking the server now would only hear "busy".
-        let sibling_holds = hand_off && ticket.as_ref().is_some_and(Ticket::held_here);
+        let sibling_holds = ticket
+            .as_ref()
+            .and_then(Ticket::held_here)
+            .filter(|_| hand_off);
         // Or this manager just had a run of hand-offs: other processes' turns come first.
         let sitting_out = ticket.as_ref().and_then(Ticket::sitting_out);
-        let holder_ttl = if sibling_holds || sitting_out.is_some() {
+        let holder_ttl = if let Some(until) = sibling_holds {
+            // Its lease bounds the wait, as the holder's PTTL would.
+            Some(until.saturating_duration_since(Instant::now()))
+        } else if sitting_out.is_some() {
             None
         } else {
             // No offer stands while this waiter asks the server itself; one a release took
@@ -532,7 +538,7 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
                     in_flight.maybe_held = false;
                     drop(in_flight);
                     if let (true, Some(ticket)) = (hand_off, &ticket) {
-                        ticket.holding();
+                        ticket.holding(saturating_add(sent, plan.ttl));
                     }
                     crate::metrics::handed_over(plan.metrics, ticket.is_some());
                     let acquired = Acquired {
@@ -668,14 +674,15 @@ impl Taken<'_> {
         request: Arc<AcquireRequest>,
         kind: Kind,
     ) -> LockGuard {
+        let sent = self.handed.claim();
         if let Some(ticket) = self.ticket {
-            ticket.holding();
+            ticket.holding(saturating_add(sent, plan.ttl));
         }
         crate::metrics::handed_over(plan.metrics, true);
         let acquired = Acquired {
             attempts: self.attempts,
             waited: self.started.elapsed(),
-            sent: self.handed.claim(),
+            sent,
         };
         tracing::debug!(attempts = self.attempts, waited = ?acquired.waited, "handed over");
         let request = Arc::unwrap_or_clone(request);

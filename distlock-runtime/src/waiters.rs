@@ -100,8 +100,8 @@ struct Queue {
     /// The current run of local hand-offs: how many, since when.
     chain: Option<(u32, Instant)>,
     /// A waiter of this manager took the plain lock and has not released it yet, as far as
-    /// this manager knows (a lease that ran out is not seen here: the head's timer is).
-    held_here: bool,
+    /// this manager knows: until when its lease runs without renewal.
+    held_here: Option<Instant>,
     /// After a run of hand-offs ended in a release to everyone: how many releases by other
     /// processes the local head lets pass before it competes again, and until when at most.
     sitting_out: Option<(u64, Instant)>,
@@ -266,7 +266,7 @@ impl Waiters {
             return Next::Release;
         };
         let mut queue = key.lock_queue();
-        queue.held_here = false;
+        queue.held_here = None;
         // Every release while local waiters are queued extends the run, whether it hands the
         // lock over or wakes the head: either way the lock stays here.
         let now = Instant::now();
@@ -308,7 +308,7 @@ impl Waiters {
     pub(crate) fn released(&self, channel: &str) {
         let key = self.shared.lock_keys().get(channel).cloned();
         if let Some(key) = key {
-            key.lock_queue().held_here = false;
+            key.lock_queue().held_here = None;
             key.woken();
         }
     }
@@ -519,8 +519,8 @@ impl Ticket {
 
     /// Notes that this ticket's request took the (plain) lock: the next head leaves its offer
     /// at once instead of asking the server.
-    pub(crate) fn holding(&self) {
-        self.key.lock_queue().held_here = true;
+    pub(crate) fn holding(&self, lease_until: Instant) {
+        self.key.lock_queue().held_here = Some(lease_until);
     }
 
     /// Until when the local head lets other processes' releases pass (see
@@ -537,9 +537,13 @@ impl Ticket {
         }
     }
 
-    /// Whether a waiter of this manager holds the plain lock (see [`holding`](Self::holding)).
-    pub(crate) fn held_here(&self) -> bool {
-        self.key.lock_queue().held_here
+    /// Until when a waiter of this manager holds the plain lock, if it does (see
+    /// [`holding`](Self::holding)); past the end of its lease, the server decides.
+    pub(crate) fn held_here(&self) -> Option<Instant> {
+        self.key
+            .lock_queue()
+            .held_here
+            .filter(|until| Instant::now() < *until)
     }
 
     /// Takes this ticket's offer back: `false` when a release already took it (its outcome
