@@ -192,6 +192,16 @@ pub use distlock_runtime::*;
 ///
 /// The same without the macro: `.reentrant(true)` on both requests, inside [`scope`].
 ///
+/// # `fair`
+///
+/// Strict arrival order across every process: waiters queue in Redis, and a release grants
+/// the lock to the oldest of them in the same step. A waiter whose process dies drops out of
+/// the queue within seconds; one that gives up or is cancelled leaves it at once. Use it for
+/// every function (and request) that takes the key. Exclusive locks only; not with `fencing`,
+/// `min_hold` or `keys`, nor on RedLock.
+///
+/// The same without the macro: `.fair(true)`.
+///
 /// # `min_hold = "30s"`
 ///
 /// Keeps the key at least this long after acquisition, even if the body ends sooner: release
@@ -273,5 +283,6 @@ pub use distlock_runtime::*;
 /// unbalanced braces, a return type that cannot carry `LockError`, and contradictory options
 /// (`wait` or `retry_delay` with `retries = 0`, `max_hold` without `watchdog`, `min_hold`
 /// longer than `ttl` or on a shared lock, `mode` with `permits`, `reentrant` permits, `key`
-/// with `keys`, and `mode`, `permits` or `min_hold` with `keys`).
+/// with `keys`, `mode`, `permits` or `min_hold` with `keys`, and `fair` with `keys`, `mode`,
+/// `permits`, `fencing` or `min_hold`).
 pub use distlock_macros::distributed_lock;

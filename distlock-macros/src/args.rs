@@ -10,7 +10,8 @@ use crate::duration::{self, DurationArg};
 use crate::key::{self, Template};
 
 const KNOWN: &str = "`key`, `keys`, `ttl`, `retries`, `retry_delay`, `wait`, `watchdog`, `max_hold`, \
-     `reentrant`, `fencing`, `mode`, `permits`, `on_busy`, `on_lost`, `min_hold`, `guard`, `manager`";
+     `reentrant`, `fencing`, `fair`, `mode`, `permits`, `on_busy`, `on_lost`, `min_hold`, `guard`, \
+     `manager`";
 
 /// What to do when the lock is held by someone else.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +48,7 @@ pub(crate) struct Args {
     pub(crate) fencing: Option<Ident>,
     pub(crate) watchdog: Option<Ident>,
     pub(crate) reentrant: Option<Ident>,
+    pub(crate) fair: Option<Ident>,
     pub(crate) max_hold: Option<DurationArg>,
     pub(crate) min_hold: Option<DurationArg>,
     pub(crate) on_lost: Option<(LitStr, OnLost)>,
@@ -153,6 +155,7 @@ impl Args {
             "fencing" => set(&mut self.fencing, flag(meta, "fencing")?, meta),
             "watchdog" => set(&mut self.watchdog, flag(meta, "watchdog")?, meta),
             "reentrant" => set(&mut self.reentrant, flag(meta, "reentrant")?, meta),
+            "fair" => set(&mut self.fair, flag(meta, "fair")?, meta),
             "max_hold" => set(&mut self.max_hold, duration_arg(meta, "max_hold")?, meta),
             "min_hold" => set(&mut self.min_hold, duration_arg(meta, "min_hold")?, meta),
             "on_lost" => {
@@ -277,6 +280,27 @@ impl Args {
                 reentrant.span(),
                 "semaphore permits are not reentrant: every call takes its own permit; remove `reentrant`",
             ));
+        }
+        if let Some(fair) = &self.fair {
+            let other = if self.keys.is_some() {
+                Some("`keys`: a set of locks is taken all at once, not in a queue")
+            } else if self.mode.is_some() {
+                Some("`mode`: fair locks are exclusive")
+            } else if self.permits.is_some() {
+                Some("`permits`: fair locks are exclusive")
+            } else if self.fencing.is_some() {
+                Some("`fencing`: fair locks do not draw fencing tokens")
+            } else if self.min_hold.is_some() {
+                Some("`min_hold`: a fair lock goes to the next waiter when released")
+            } else {
+                None
+            };
+            if let Some(other) = other {
+                errors.push(syn::Error::new(
+                    fair.span(),
+                    format!("`fair` cannot be combined with {other}; remove one of them"),
+                ));
+            }
         }
         let shared = matches!(self.mode, Some((_, Mode::Read))) || self.permits.is_some();
         if let (Some(min_hold), true) = (&self.min_hold, shared) {

@@ -143,6 +143,9 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
     if let Some(flag) = &args.reentrant {
         options.extend(quote_spanned!(flag.span()=> .reentrant(true)));
     }
+    if let Some(flag) = &args.fair {
+        options.extend(quote_spanned!(flag.span()=> .fair(true)));
+    }
     if let Some(min_hold) = &args.min_hold {
         let d = millis(&min_hold.lit, min_hold.millis);
         options.extend(quote!(.min_hold(#d)));

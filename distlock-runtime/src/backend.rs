@@ -567,6 +567,21 @@ impl Node {
                     .to_owned();
                 AcquireCall::Set { set, req }
             }
+            Shape::Fair { queue, join } => {
+                let mut call = scripts::FAIR.key(&req.lock);
+                call.key(&queue.queue)
+                    .key(&queue.leases)
+                    .key(&req.wake)
+                    .arg("take")
+                    .arg(&req.token)
+                    .arg(&queue.entry)
+                    .arg(&*self.pool.tag)
+                    .arg(millis(FAIR_UNCLAIMED))
+                    .arg(lease)
+                    .arg(millis(FAIR_ENTRY_LEASE))
+                    .arg(flag(*join));
+                AcquireCall::Script(call)
+            }
             Shape::Exclusive => {
                 let mut call = scripts::ACQUIRE.key(&req.lock);
                 call.key(&req.fence)
@@ -706,7 +721,11 @@ impl Node {
             hold,
             share,
             plain,
+            fair,
         } = ids;
+        if fair.is_some() {
+            return Ok(self.release_fair(ids).await? != FairRelease::NotHeld);
+        }
         let mut conn = self.conn().await?;
         if *plain {
             return Ok(self.unlock(&mut conn, ids, keep).await?.is_some());
@@ -728,6 +747,32 @@ impl Node {
         };
         let released: i64 = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
         Ok(released == 1)
+    }
+
+    /// Releases a fair lock (to the queue's head, if one waits), and takes the owner's entry
+    /// out of the queue if it is still there (a waiter giving up).
+    pub(crate) async fn release_fair(&self, ids: &HoldIds) -> RedisResult<FairRelease> {
+        let Some(fair) = &ids.fair else {
+            return Ok(FairRelease::NotHeld);
+        };
+        let mut conn = self.conn().await?;
+        let mut call = scripts::FAIR.key(&ids.lock);
+        call.key(&fair.queue)
+            .key(&fair.leases)
+            .key(&ids.wake)
+            .arg("release")
+            .arg(&ids.token)
+            .arg(&fair.entry)
+            .arg(&*self.pool.tag)
+            .arg(millis(FAIR_UNCLAIMED));
+        let bounds = conn.bounds();
+        let (status, value): (i64, redis::Value) =
+            self.watch(self.answer(bounds, call.invoke_async(&mut conn)).await)?;
+        Ok(match status {
+            2 => FairRelease::Granted(redis::from_redis_value(value)?),
+            1 => FairRelease::Freed,
+            _ => FairRelease::NotHeld,
+        })
     }
 
     /// Gives back a plain lock (as [`release`](Self::release)), and answers how many
@@ -1080,7 +1125,59 @@ pub(crate) struct HoldIds {
     pub(crate) share: Option<String>,
     /// The string form of a plain exclusive lock (value = token), not a hash.
     pub(crate) plain: bool,
+    /// A fair lock's queue, whose head a release grants the lock to.
+    pub(crate) fair: Option<FairQueue>,
 }
+
+/// A fair lock's queue keys, and the entry one owner waits (or waited) in it under.
+#[derive(Debug, Clone)]
+pub(crate) struct FairQueue {
+    pub(crate) queue: String,
+    pub(crate) leases: String,
+    /// `<manager tag>:<lease ms>:<token>`, as `fair.lua` reads it.
+    pub(crate) entry: String,
+}
+
+impl FairQueue {
+    /// The queue keys of `lock`, with the entry of `token` waiting with `lease` for the
+    /// manager tagged `tag`.
+    pub(crate) fn new(lock: &str, tag: &str, lease: Duration, token: &str) -> Self {
+        use crate::key::{QUEUE, QUEUE_LEASES};
+        Self {
+            queue: format!("{lock}:{QUEUE}"),
+            leases: format!("{lock}:{QUEUE_LEASES}"),
+            entry: format!("{tag}:{}:{token}", millis(lease)),
+        }
+    }
+
+    /// The same queue, with the entry of another owner.
+    pub(crate) fn for_owner(&self, tag: &str, lease: Duration, token: &str) -> Self {
+        Self {
+            entry: format!("{tag}:{}:{token}", millis(lease)),
+            ..self.clone()
+        }
+    }
+}
+
+/// What a fair lock's release (or a waiter's leaving) did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum FairRelease {
+    /// The caller did not hold the lock: left alone.
+    NotHeld,
+    /// Nobody waited: the lock is free, and the wake-up was sent.
+    Freed,
+    /// The lock now belongs to the queue's head, the owner of this token (told by publish).
+    Granted(String),
+}
+
+/// How long a fair lock granted to a waiter of another manager stays held until that waiter
+/// claims it (it hears the grant at once; a dead one holds the queue up no longer than this).
+pub(crate) const FAIR_UNCLAIMED: Duration = Duration::from_secs(2);
+/// How long a fair queue entry stays without its waiter asking again; waiters ask at least
+/// every [`FAIR_REFRESH`].
+pub(crate) const FAIR_ENTRY_LEASE: Duration = Duration::from_secs(3);
+/// The longest a fair waiter goes without asking (and renewing its entry).
+pub(crate) const FAIR_REFRESH: Duration = Duration::from_secs(1);
 
 /// One lease in a watchdog batch.
 #[derive(Debug, Clone, Copy)]
@@ -1096,6 +1193,12 @@ pub(crate) struct Renewal<'a> {
 pub(crate) enum Shape {
     /// A plain exclusive lock (no fencing, no `min_hold`): the string form, one `SET`.
     Plain,
+    /// A plain exclusive lock taken in the order of a queue shared by every process; `join`:
+    /// enter the queue when not granted at once.
+    Fair {
+        queue: FairQueue,
+        join: bool,
+    },
     Exclusive,
     Write {
         intent: String,
@@ -1127,7 +1230,11 @@ impl AcquireRequest {
     pub(crate) fn hold_ids(&self) -> HoldIds {
         let share = match &self.shape {
             Shape::Share { share, .. } => Some(share.clone()),
-            Shape::Plain | Shape::Exclusive | Shape::Write { .. } => None,
+            Shape::Plain | Shape::Fair { .. } | Shape::Exclusive | Shape::Write { .. } => None,
+        };
+        let fair = match &self.shape {
+            Shape::Fair { queue, .. } => Some(queue.clone()),
+            _ => None,
         };
         HoldIds {
             lock: self.lock.clone(),
@@ -1135,7 +1242,8 @@ impl AcquireRequest {
             token: self.token.clone(),
             hold: self.hold.clone(),
             share,
-            plain: matches!(self.shape, Shape::Plain),
+            plain: matches!(self.shape, Shape::Plain | Shape::Fair { .. }),
+            fair,
         }
     }
 }
@@ -1455,6 +1563,21 @@ impl Backend {
             Some(node) => node.release_plain(ids).await,
             None => Ok(self.release(ids, Duration::ZERO).await?.then_some(0)),
         }
+    }
+
+    /// Releases a fair lock, and leaves its queue (see [`Node::release_fair`]). Fair locks
+    /// live on one node (or Sentinel, or Cluster): RedLock refuses them.
+    pub(crate) async fn release_fair(&self, ids: &HoldIds) -> RedisResult<FairRelease> {
+        match self.single() {
+            Some(node) => node.release_fair(ids).await,
+            None => Ok(FairRelease::NotHeld),
+        }
+    }
+
+    /// Whether fair locks are available: not with RedLock, whose masters would keep a queue
+    /// each, in orders of their own.
+    pub(crate) fn queues_fairly(&self) -> bool {
+        self.single().is_some()
     }
 
     /// Passes a plain lock to the owner `next` (see [`hands_off`](Self::hands_off)).

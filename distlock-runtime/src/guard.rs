@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, watch};
 
 use crate::LockError;
-use crate::backend::HoldIds;
+use crate::backend::{FairRelease, HoldIds};
 use crate::context::Held;
 use crate::key::Keys;
 use crate::lease::{LeaseState, saturating_add};
 use crate::lock::check_ttl;
 use crate::manager::{Inner, LockManager};
-use crate::waiters::{Next, Offer};
+use crate::waiters::{Grant, Next, Offer};
 use crate::watchdog::Registration;
 
 /// How an acquisition went: attempts made and time spent before the lock was held.
@@ -266,6 +266,11 @@ impl LockGuard {
         let keep_until = self.parts.held.keep_until();
         // Sends the release again from the background if this future is dropped midway.
         let mut unanswered = Unanswered(Some((inner.clone(), self.ids(), keep_until)));
+        if self.parts.held.ids.fair.is_some() {
+            let outcome = self.release_fair().await;
+            unanswered.0 = None;
+            return outcome;
+        }
         let mut retried = false;
         if self.parts.held.ids.plain && keep_until.is_none() && inner.backend.hands_off() {
             match inner
@@ -316,6 +321,43 @@ impl LockGuard {
         };
         unanswered.0 = None;
         outcome
+    }
+
+    /// Gives back a fair lock: to the oldest waiter in its queue, if any, or to everyone. A
+    /// waiter of this manager gets the grant in-process, at once.
+    async fn release_fair(&self) -> Result<(), LockError> {
+        let inner = &self.parts.manager.inner;
+        let ids = self.ids();
+        let mut retried = false;
+        loop {
+            let sent = Instant::now();
+            let release = {
+                let ids = ids.clone();
+                move |backend: crate::backend::Backend| async move { backend.release_fair(&ids).await }
+            };
+            match inner.exec(release).await? {
+                Ok(FairRelease::Granted(next)) => {
+                    tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "granted to the next in line");
+                    hand_fair(inner, &ids, &next, sent);
+                    return Ok(());
+                }
+                Ok(FairRelease::Freed) => {
+                    inner.waiters.released(&ids.wake);
+                    tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "released");
+                    return Ok(());
+                }
+                // The first attempt may have released it before its reply was lost.
+                Ok(FairRelease::NotHeld) if retried && !self.parts.lease.is_lost() => {
+                    return Ok(());
+                }
+                Ok(FairRelease::NotHeld) => {
+                    self.parts.lease.mark_lost();
+                    return Err(self.lost_error());
+                }
+                Err(error) if !retried && error.is_io_error() => retried = true,
+                Err(error) => return Err(LockError::redis(self.key(), error)),
+            }
+        }
     }
 
     /// Ends a run of local hand-offs: releases to every process alike, and lets the local
@@ -542,7 +584,48 @@ pub(crate) fn release_behind_acquire(inner: &Arc<Inner>, ids: HoldIds) {
     inner.driver.spawn(fallback);
 }
 
+/// A release of fair lock `ids` (sent at `sent`) granted it to the owner of token `next`: if
+/// that is a waiter of this manager with a standing offer, it gets the lock in-process, its
+/// lease counted from `sent` (the grant gave it its whole lease, after `sent`). Any other
+/// waiter hears the grant's publish, and asks.
+pub(crate) fn hand_fair(inner: &Arc<Inner>, ids: &HoldIds, next: &str, sent: Instant) {
+    let Grant::Offer(offer) = inner.waiters.grant(&ids.wake, next) else {
+        return;
+    };
+    let fair = ids
+        .fair
+        .as_ref()
+        .map(|queue| queue.for_owner(inner.waiters.tag(), offer.lease, &offer.token));
+    let next = Arc::new(HoldIds {
+        token: offer.token.clone(),
+        hold: offer.token,
+        fair,
+        ..ids.clone()
+    });
+    inner.waiters.handed_off();
+    // A waiter that gave up meanwhile drops it, which gives the lock back.
+    let _ = offer.handed.send(Handed {
+        sent,
+        unclaimed: Some((inner.clone(), next)),
+    });
+}
+
 async fn release_logged(inner: Arc<Inner>, ids: Arc<HoldIds>, keep_until: Option<Instant>) {
+    if ids.fair.is_some() {
+        let sent = Instant::now();
+        match inner.backend.release_fair(&ids).await {
+            Ok(FairRelease::Granted(next)) => hand_fair(&inner, &ids, &next, sent),
+            Ok(FairRelease::Freed) => inner.waiters.released(&ids.wake),
+            Ok(FairRelease::NotHeld) => {
+                tracing::debug!(lock = %ids.lock, "background release found the lock already gone");
+            }
+            Err(error) => tracing::warn!(
+                lock = %ids.lock, %error,
+                "background release failed; the lease will expire"
+            ),
+        }
+        return;
+    }
     match inner.backend.release(&ids, keep_from(keep_until)).await {
         Ok(true) => {
             inner.waiters.released(&ids.wake);

@@ -28,6 +28,11 @@ impl Keys {
     }
 }
 
+/// The suffix of a fair lock's queue of waiters (a list, oldest first).
+pub(crate) const QUEUE: &str = "queue";
+/// The suffix of the leases of a fair lock's queue entries (a sorted set by end time).
+pub(crate) const QUEUE_LEASES: &str = "queue:leases";
+
 /// The lock key of `name` under `prefix`: `prefix{name}`.
 ///
 /// A name that contains `}` would end the hash tag early (or leave none), spreading a lock's

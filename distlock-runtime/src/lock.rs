@@ -57,6 +57,7 @@ pub struct LockRequest<'m> {
     max_hold: Option<Duration>,
     reentrant: bool,
     min_hold: Option<Duration>,
+    fair: bool,
     /// Whether the hold is recorded in the current frame; an annotated call records it in the
     /// frame it opens for its body instead.
     record: bool,
@@ -76,6 +77,7 @@ impl fmt::Debug for LockRequest<'_> {
             .field("max_hold", &self.max_hold)
             .field("reentrant", &self.reentrant)
             .field("min_hold", &self.min_hold)
+            .field("fair", &self.fair)
             .finish_non_exhaustive()
     }
 }
@@ -104,6 +106,7 @@ struct Plan {
     max_hold: Option<Duration>,
     reentrant: bool,
     min_hold: Option<Duration>,
+    fair: bool,
     metrics: crate::metrics::Labels,
 }
 
@@ -123,6 +126,7 @@ impl<'m> LockRequest<'m> {
             max_hold: None,
             reentrant: false,
             min_hold: None,
+            fair: false,
             record: true,
         }
     }
@@ -203,6 +207,26 @@ impl<'m> LockRequest<'m> {
     /// whose clocks differ. It must not be longer than the lease.
     pub fn min_hold(mut self, min_hold: Duration) -> Self {
         self.min_hold = Some(min_hold);
+        self
+    }
+
+    /// Take the lock in strict arrival order across every process: waiters queue in Redis
+    /// (one queue per key, next to the lock), and a release grants the lock to the oldest
+    /// waiter in the same step, then tells that waiter, which nobody can overtake meanwhile.
+    ///
+    /// Each queue entry has a short lease of its own, renewed while its waiter waits: a
+    /// waiter whose process dies drops out of the queue within seconds instead of blocking
+    /// it, and one that gives up (its `wait` or `retries` run out, or its future is dropped)
+    /// takes its entry out at once. A lock granted to a waiter that died meanwhile is held for
+    /// two seconds at most. [`try_acquire`](Self::try_acquire) never queues: it takes the lock
+    /// only when nobody is waiting.
+    ///
+    /// For exclusive locks on one Redis deployment (single node, Sentinel or Cluster), without
+    /// `fencing` or `min_hold`; other requests get [`LockError::InvalidInput`]. The order
+    /// binds fair requests: use `fair` for every request on the key, as a request without it
+    /// may take the lock whenever it is free.
+    pub fn fair(mut self, fair: bool) -> Self {
+        self.fair = fair;
         self
     }
 
@@ -290,6 +314,22 @@ impl<'m> LockRequest<'m> {
                 ));
             }
         }
+        if self.fair {
+            let refused = if self.kind != RequestKind::Exclusive {
+                Some("fair locks are exclusive: not for read-write locks or semaphores")
+            } else if self.fencing {
+                Some("fair locks do not draw fencing tokens")
+            } else if self.min_hold.is_some() {
+                Some("fair locks do not keep a `min_hold`")
+            } else if !self.manager.inner.backend.queues_fairly() {
+                Some("fair locks need one queue; RedLock masters would each keep their own")
+            } else {
+                None
+            };
+            if let Some(reason) = refused {
+                return Err(LockError::invalid("fair", reason));
+            }
+        }
         if self.kind == RequestKind::Permits(0) {
             return Err(LockError::invalid(
                 "permits",
@@ -341,6 +381,7 @@ impl<'m> LockRequest<'m> {
             max_hold: self.max_hold.or(defaults.max_hold),
             reentrant: self.reentrant,
             min_hold: self.min_hold,
+            fair: self.fair,
             metrics: crate::metrics::Labels::new(template, self.kind),
         })
     }
@@ -389,7 +430,7 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
         return Ok(nested(manager, plan, held));
     }
     let token = new_token();
-    let (shape, kind) = shape_of(plan.kind, &plan, &token);
+    let (shape, kind) = shape_of(plan.kind, &plan, &token, inner.waiters.tag());
     let request = Arc::new(AcquireRequest {
         shape,
         lock: plan.keys.lock.clone(),
@@ -401,6 +442,9 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
         fencing: plan.fencing,
         reentrant: plan.reentrant,
     });
+    if matches!(request.shape, Shape::Fair { .. }) {
+        return fair(manager, plan, request, kind, record).await;
+    }
     let started = Instant::now();
     let deadline = plan.wait.map(|wait| started + wait);
     let mut in_flight = InFlight {
@@ -645,6 +689,174 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
     }
 }
 
+/// The acquire loop of a fair lock: ask (which queues this request in Redis the first time),
+/// then wait for the grant — handed over by a release of this manager, or heard from
+/// another's — or for the timer that renews the queue entry and notices an expiry.
+async fn fair(
+    manager: &LockManager,
+    plan: Plan,
+    request: Arc<AcquireRequest>,
+    kind: Kind,
+    record: bool,
+) -> Result<LockGuard, LockError> {
+    use crate::backend::FAIR_REFRESH;
+    let inner = &manager.inner;
+    let started = Instant::now();
+    let deadline = plan.wait.map(|wait| started + wait);
+    let until_deadline = || async move {
+        match deadline {
+            Some(deadline) => inner.sleep_until(deadline).await,
+            None => std::future::pending().await,
+        }
+    };
+    // From the first attempt until the request settles, it may have an entry in the queue, or
+    // a lock granted to it: dropped, it takes both back, right behind its last attempt.
+    let mut queued = InFlight {
+        manager,
+        request: &request,
+        maybe_held: false,
+    };
+    let mut ticket: Option<Ticket> = None;
+    let mut offer: Option<oneshot::Receiver<Handed>> = None;
+    let mut failure: Option<redis::RedisError> = None;
+    let mut attempts = 0u32;
+    let handed = loop {
+        // No offer stands while this waiter asks the server itself; one a release took
+        // meanwhile decides first.
+        if let (Some(receiver), Some(waiting)) = (offer.take(), &ticket)
+            && !waiting.withdraw()
+        {
+            tokio::select! {
+                handed = receiver => if let Ok(handed) = handed {
+                    break handed;
+                },
+                _ = until_deadline() => {
+                    return Err(fair_give_up(&plan, &mut queued, attempts, started, failure).await);
+                }
+                () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
+            }
+        }
+        attempts += 1;
+        crate::metrics::attempt(plan.metrics);
+        let sent = Instant::now();
+        queued.maybe_held = true;
+        let attempt = request.clone();
+        let outcome = inner
+            .exec(move |backend| async move { backend.acquire(&attempt).await })
+            .await?;
+        let holder_ttl = match outcome {
+            Ok(Attempt::Held { .. }) => {
+                queued.maybe_held = false;
+                drop(queued);
+                crate::metrics::handed_over(plan.metrics, ticket.is_some());
+                let acquired = Acquired {
+                    attempts,
+                    waited: started.elapsed(),
+                    sent,
+                };
+                tracing::debug!(attempts, waited = ?acquired.waited, "acquired");
+                let request = Arc::unwrap_or_clone(request);
+                return Ok(grant(manager, plan, request, kind, 0, acquired, record));
+            }
+            Ok(Attempt::Busy { holder_ttl }) => {
+                failure = None;
+                holder_ttl
+            }
+            Ok(Attempt::Unreplicated { acked, wanted }) => {
+                return Err(LockError::NotReplicated {
+                    key: plan.keys.name.clone(),
+                    acked,
+                    wanted,
+                });
+            }
+            Ok(Attempt::PermitsMismatch { .. }) => None,
+            Err(error) if is_transient(&error) => {
+                tracing::debug!(attempts, %error, "acquire attempt failed");
+                failure = Some(error);
+                None
+            }
+            Err(error) => return Err(LockError::redis(&plan.keys.name, error)),
+        };
+        if attempts > plan.retries || deadline.is_some_and(|d| d <= Instant::now()) {
+            return Err(fair_give_up(&plan, &mut queued, attempts, started, failure).await);
+        }
+        let waiting = match &ticket {
+            Some(waiting) => waiting,
+            None => {
+                // Queued now: follow the wake channel, then ask again at once (a grant
+                // published before the subscription went unheard).
+                let joined = ticket.insert(inner.waiters.join_fair(
+                    &request.wake,
+                    &request.token,
+                    &inner.backend,
+                    &inner.driver,
+                    plan.metrics,
+                ));
+                tokio::select! {
+                    () = joined.subscribe() => {}
+                    _ = until_deadline() => {}
+                    () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
+                }
+                continue;
+            }
+        };
+        let now = Instant::now();
+        let mut until = now + plan.backoff.delay(attempts, holder_ttl).min(FAIR_REFRESH);
+        if let Some(deadline) = deadline {
+            until = until.min(deadline);
+        }
+        offer = Some(waiting.offer(&request.token, plan.ttl));
+        tokio::select! {
+            handed = receive(&mut offer) => if let Some(handed) = handed {
+                break handed;
+            },
+            () = waiting.signalled() => {}
+            _ = inner.sleep_until(until) => {}
+            () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
+        }
+    };
+    queued.maybe_held = false;
+    drop(queued);
+    let taken = Taken {
+        attempts,
+        started,
+        handed,
+        ticket: None,
+        record,
+    };
+    Ok(taken.grant(manager, plan, request, kind))
+}
+
+/// A fair request that gives up leaves the queue before it answers (and gives back a lock a
+/// release granted it meanwhile); if Redis does not answer, its drop sends that again.
+async fn fair_give_up(
+    plan: &Plan,
+    queued: &mut InFlight<'_>,
+    attempts: u32,
+    started: Instant,
+    failure: Option<redis::RedisError>,
+) -> LockError {
+    let ids = queued.request.hold_ids();
+    let inner = &queued.manager.inner;
+    let left = inner
+        .exec(move |backend| async move { backend.release(&ids, Duration::ZERO).await })
+        .await;
+    if let Ok(Ok(released)) = left {
+        queued.maybe_held = false;
+        if released {
+            tracing::debug!("a lock granted while giving up was passed on");
+        }
+    }
+    match failure {
+        Some(error) => LockError::redis(&plan.keys.name, error),
+        None => LockError::Busy {
+            key: plan.keys.name.clone(),
+            attempts,
+            waited: started.elapsed(),
+        },
+    }
+}
+
 /// Waits for the hand-off behind a standing offer: `None` (and the offer gone) when the
 /// release that took it could not hand the lock over; pending while no offer stands.
 async fn receive(offer: &mut Option<oneshot::Receiver<Handed>>) -> Option<Handed> {
@@ -786,10 +998,18 @@ fn nested(manager: &LockManager, plan: Plan, held: Arc<Held>) -> LockGuard {
 }
 
 /// The script shape and context kind of a first (or shared) hold of `kind` for `token`.
-fn shape_of(kind: RequestKind, plan: &Plan, token: &str) -> (Shape, Kind) {
+fn shape_of(kind: RequestKind, plan: &Plan, token: &str, tag: &str) -> (Shape, Kind) {
     let share = || format!("{}:s:{token}", plan.keys.lock);
     let intent = || plan.keys.companion("wi");
     match kind {
+        // Checked by `plan`: exclusive, without fencing or min_hold.
+        RequestKind::Exclusive if plan.fair => {
+            let shape = Shape::Fair {
+                queue: crate::backend::FairQueue::new(&plan.keys.lock, tag, plan.ttl, token),
+                join: plan.retries > 0,
+            };
+            (shape, Kind::Exclusive)
+        }
         // The string form: one native command each way.
         RequestKind::Exclusive if !plan.fencing && plan.min_hold.is_none() => {
             (Shape::Plain, Kind::Exclusive)

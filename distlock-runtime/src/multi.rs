@@ -635,6 +635,7 @@ fn hold_ids(key: &SetKey, token: &str) -> HoldIds {
         hold: token.to_owned(),
         share: None,
         plain: false,
+        fair: None,
     }
 }
 

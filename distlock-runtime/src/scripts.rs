@@ -54,6 +54,11 @@ pub(crate) static UNLOCK: LazyLock<Script> =
 pub(crate) static HANDOFF: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("scripts/handoff.lua")));
 
+/// A fair lock: take it in queue order, release it to the queue's head, or leave the queue
+/// (see the script for the answers).
+pub(crate) static FAIR: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("scripts/fair.lua")));
+
 /// Take the write side of a read-write lock: `{1, fence}` or `{0, pttl}`.
 pub(crate) static WRITE_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
@@ -96,9 +101,10 @@ pub(crate) static MULTI_RELEASE: LazyLock<Script> = LazyLock::new(|| {
 });
 
 /// Every script, for loading them all when a manager connects.
-pub(crate) fn all() -> [&'static Script; 11] {
+pub(crate) fn all() -> [&'static Script; 12] {
     [
         &UNLOCK,
+        &FAIR,
         &HANDOFF,
         &ACQUIRE,
         &RELEASE,

@@ -14,6 +14,12 @@
 //! token in its own round trip (see `guard.rs`), then hands the grant over through the
 //! offer's channel: no publish, no wake-up, no second attempt. A run of such hand-offs is
 //! bounded, so that other processes get their turn.
+//!
+//! Waiters of a *fair* lock queue in Redis instead (see `fair.lua`): their order is the
+//! server's, shared by every process, and they never wait for a local head. Each has a
+//! signal of its own: the release that grants it the lock publishes its token, which the
+//! reader routes to that waiter alone; a release by this manager that grants one of its own
+//! waiters hands the grant to that waiter's standing offer instead, in-process.
 
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
@@ -116,6 +122,19 @@ const SLICE: Duration = Duration::from_millis(50);
 struct Entry {
     id: u64,
     offer: Option<Offer>,
+    /// A fair waiter: its owner token, and the signal a grant to it sets.
+    fair: Option<(String, Arc<Notify>)>,
+}
+
+/// Where a fair lock granted to a waiter of this manager goes (see [`Waiters::grant`]).
+#[derive(Debug)]
+pub(crate) enum Grant {
+    /// To this standing offer.
+    Offer(Offer),
+    /// The waiter was signalled: it asks the server, which tells it the lock is its own.
+    Signalled,
+    /// No such waiter here (any more): it left, and its leaving gives the lock back.
+    Gone,
 }
 
 /// A waiter's standing offer: the owner token and lease it would take the lock with, and
@@ -145,6 +164,8 @@ pub(crate) enum Next {
 pub(crate) struct Ticket {
     key: Arc<KeyState>,
     id: u64,
+    /// A fair waiter's own signal (see [`Waiters::join_fair`]).
+    signal: Option<Arc<Notify>>,
     shared: Weak<Shared>,
     driver_backend: Option<(Backend, Arc<Driver>)>,
     _waiting: crate::metrics::Waiting,
@@ -177,6 +198,11 @@ impl Waiters {
         self.shared.lock_keys().contains_key(channel)
     }
 
+    /// What this manager's releases publish, and its fair queue entries carry.
+    pub(crate) fn tag(&self) -> &str {
+        &self.shared.tag
+    }
+
     /// How many locks releases handed to a local waiter so far.
     pub(crate) fn handoffs(&self) -> u64 {
         self.shared.handoffs.load(Ordering::Relaxed)
@@ -194,7 +220,8 @@ impl Waiters {
             .filter(|key| {
                 key.lock_queue()
                     .entries
-                    .front()
+                    .iter()
+                    .find(|entry| entry.fair.is_none())
                     .is_some_and(|head| head.offer.is_some())
             })
             .count()
@@ -226,6 +253,38 @@ impl Waiters {
         driver: &Arc<Driver>,
         metrics: crate::metrics::Labels,
     ) -> Ticket {
+        self.enter(channel, backend, driver, metrics, None)
+    }
+
+    /// Waits for the fair lock behind `channel` with owner token `token`: its place is kept in
+    /// Redis; here it only hears its grant (see the module docs).
+    pub(crate) fn join_fair(
+        &self,
+        channel: &str,
+        token: &str,
+        backend: &Backend,
+        driver: &Arc<Driver>,
+        metrics: crate::metrics::Labels,
+    ) -> Ticket {
+        let signal = Arc::new(Notify::new());
+        self.enter(
+            channel,
+            backend,
+            driver,
+            metrics,
+            Some((token.to_owned(), signal)),
+        )
+    }
+
+    fn enter(
+        &self,
+        channel: &str,
+        backend: &Backend,
+        driver: &Arc<Driver>,
+        metrics: crate::metrics::Labels,
+        fair: Option<(String, Arc<Notify>)>,
+    ) -> Ticket {
+        let signal = fair.as_ref().map(|(_, signal)| signal.clone());
         let key = self
             .shared
             .lock_keys()
@@ -246,12 +305,17 @@ impl Waiters {
             let mut queue = key.lock_queue();
             let id = queue.next_id;
             queue.next_id += 1;
-            queue.entries.push_back(Entry { id, offer: None });
+            queue.entries.push_back(Entry {
+                id,
+                offer: None,
+                fair,
+            });
             id
         };
         Ticket {
             key,
             id,
+            signal,
             shared: Arc::downgrade(&self.shared),
             driver_backend: Some((backend.clone(), driver.clone())),
             _waiting: crate::metrics::Waiting::new(metrics),
@@ -278,7 +342,8 @@ impl Waiters {
         *count += 1;
         let offer = queue
             .entries
-            .front_mut()
+            .iter_mut()
+            .find(|entry| entry.fair.is_none())
             .and_then(|head| head.offer.take_if(|offer| !offer.handed.is_closed()));
         match offer {
             Some(offer) => Next::HandOff(offer),
@@ -304,6 +369,31 @@ impl Waiters {
         key.lock_queue().sitting_out = Some((others, until));
     }
 
+    /// A release by this manager granted the fair lock behind `channel` to the waiter with
+    /// owner token `token`: where the grant goes.
+    pub(crate) fn grant(&self, channel: &str, token: &str) -> Grant {
+        let Some(key) = self.shared.lock_keys().get(channel).cloned() else {
+            return Grant::Gone;
+        };
+        let mut queue = key.lock_queue();
+        let Some(entry) = queue
+            .entries
+            .iter_mut()
+            .find(|entry| entry.fair.as_ref().is_some_and(|(own, _)| own == token))
+        else {
+            return Grant::Gone;
+        };
+        match entry.offer.take_if(|offer| !offer.handed.is_closed()) {
+            Some(offer) => Grant::Offer(offer),
+            None => {
+                if let Some((_, signal)) = &entry.fair {
+                    signal.notify_one();
+                }
+                Grant::Signalled
+            }
+        }
+    }
+
     /// A lock behind `channel` was released by this manager: wake its local head at once.
     pub(crate) fn released(&self, channel: &str) {
         let key = self.shared.lock_keys().get(channel).cloned();
@@ -319,10 +409,24 @@ impl Shared {
         self.keys.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A message arrived on `channel`: a release, by this manager if it carries its tag.
+    /// A message arrived on `channel`: a release, by this manager if it carries its tag; or,
+    /// `=token`, a fair lock granted to the waiter with that owner token.
     fn dispatch(&self, channel: &str, message: &[u8]) {
         let key = self.lock_keys().get(channel).cloned();
         if let Some(key) = key {
+            if let Some(token) = message.strip_prefix(b"=") {
+                let queue = key.lock_queue();
+                let granted = queue.entries.iter().find_map(|entry| {
+                    entry
+                        .fair
+                        .as_ref()
+                        .filter(|(own, _)| own.as_bytes() == token)
+                });
+                if let Some((_, signal)) = granted {
+                    signal.notify_one();
+                }
+                return;
+            }
             if message != self.tag.as_bytes() {
                 let mut queue = key.lock_queue();
                 if let Some((left, _)) = &mut queue.sitting_out {
@@ -461,8 +565,12 @@ impl Shared {
 }
 
 impl Queue {
+    /// The first waiter of the local queue; fair waiters keep their place in Redis instead.
     fn head(&self) -> Option<u64> {
-        self.entries.front().map(|entry| entry.id)
+        self.entries
+            .iter()
+            .find(|entry| entry.fair.is_none())
+            .map(|entry| entry.id)
     }
 
     fn entry(&mut self, id: u64) -> Option<&mut Entry> {
@@ -475,9 +583,16 @@ impl KeyState {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// A release (or a lost connection): the local head looks again, and so does the oldest
+    /// fair waiter, whose asking grants a lock that became free to the head of the fair
+    /// queue, wherever that waits.
     fn woken(&self) {
         self.wakes.fetch_add(1, Ordering::AcqRel);
         self.wake.notify_one();
+        let queue = self.lock_queue();
+        if let Some((_, signal)) = queue.entries.iter().find_map(|entry| entry.fair.as_ref()) {
+            signal.notify_one();
+        }
     }
 
     fn lock_last_failure(&self) -> std::sync::MutexGuard<'_, Option<redis::RedisError>> {
@@ -486,6 +601,15 @@ impl KeyState {
 }
 
 impl Ticket {
+    /// A fair waiter: completes when a grant to it (or a release worth asking after) was
+    /// heard since it last completed. Pending for other waiters.
+    pub(crate) async fn signalled(&self) {
+        match &self.signal {
+            Some(signal) => signal.notified().await,
+            None => std::future::pending().await,
+        }
+    }
+
     /// Waits until this ticket is at the head of its queue.
     pub(crate) async fn until_head(&self) {
         loop {

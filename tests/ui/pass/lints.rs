@@ -47,9 +47,27 @@ pub async fn report(locks: &LockManager, day: u32) -> Result<Option<u64>, AppErr
     Ok(lock.fencing_token())
 }
 
+/// A fair lock, with the options it combines with.
+#[distributed_lock(
+    key = "ticket:{queue}",
+    ttl = "10s",
+    wait = "30s",
+    fair,
+    watchdog,
+    reentrant,
+    on_busy = "skip",
+    manager = locks,
+)]
+pub async fn next_ticket(locks: &LockManager, queue: &str) -> Result<(), AppError> {
+    Ok(())
+}
+
 /// The annotated future is `Send` when the body is: it can be spawned on tokio.
 pub fn spawnable(locks: LockManager) {
-    drop(tokio::spawn(async move { report(&locks, 1).await }));
+    drop(tokio::spawn(async move {
+        next_ticket(&locks, "a").await?;
+        report(&locks, 1).await
+    }));
 }
 
 fn main() {}
