@@ -80,6 +80,8 @@ impl Kind {
 struct Features {
     shared_kinds: bool,
     fencing: bool,
+    /// Fair locks (one queue per key): not with RedLock.
+    fair: bool,
     /// Leases of at most 2 s (RedLock: a restarted master stays out for longer than that).
     short_leases: bool,
 }
@@ -342,6 +344,7 @@ struct Plan {
     watchdog: bool,
     min_hold: Option<Duration>,
     reentrant: bool,
+    fair: bool,
     /// A read request nested in this owner's write lock: a nested hold of the write lock.
     downgrade: bool,
 }
@@ -365,16 +368,24 @@ impl Plan {
         let choices = if features.short_leases { 3 } else { 4 };
         let ttl = [150, 400, 2_000, 10_000][rng.usize(..choices)];
         let exclusive = matches!(kind, Kind::Exclusive | Kind::Write);
+        let fencing = features.fencing && rng.u8(..4) == 0;
+        let min_hold =
+            (exclusive && rng.u8(..10) == 0).then(|| Duration::from_millis(rng.u64(1..40)));
+        let fair = features.fair
+            && kind == Kind::Exclusive
+            && !fencing
+            && min_hold.is_none()
+            && rng.u8(..3) == 0;
         Self {
             kind,
             key: KEYS[rng.usize(..KEYS.len())],
             ttl: Duration::from_millis(ttl),
             wait: rng.bool().then(|| Duration::from_millis(rng.u64(1..300))),
-            fencing: features.fencing && rng.u8(..4) == 0,
+            fencing,
             watchdog: rng.u8(..4) == 0,
-            min_hold: (exclusive && rng.u8(..10) == 0)
-                .then(|| Duration::from_millis(rng.u64(1..40))),
+            min_hold,
             reentrant: rng.bool(),
+            fair,
             downgrade: false,
         }
     }
@@ -387,6 +398,7 @@ impl Plan {
             .fencing(self.fencing)
             .watchdog(self.watchdog)
             .reentrant(self.reentrant)
+            .fair(self.fair)
             .retry_delay(Duration::from_millis(2));
         if let Some(wait) = self.wait {
             request = request.wait(wait);
@@ -547,6 +559,7 @@ async fn program(world: World, locks: LockManager, who: String, seed: u64, ops: 
                         downgrade: nested_kind != plan.kind,
                         reentrant: true,
                         min_hold: None,
+                        fair: plan.fair && nested_kind == plan.kind,
                         ..plan
                     };
                     let nested = take(&world, &locks, &who, inner, faults).await;
@@ -880,6 +893,7 @@ async fn random_programs_keep_every_guarantee() {
         features: Features {
             shared_kinds: true,
             fencing: true,
+            fair: true,
             short_leases: false,
         },
         check_leases: true,
@@ -961,6 +975,7 @@ async fn single_with_faults(seed: u64, target: u64, run: &Run) {
         features: Features {
             shared_kinds: true,
             fencing: true,
+            fair: true,
             short_leases: false,
         },
         check_leases: true,
@@ -1025,6 +1040,7 @@ async fn sentinel_with_faults(seed: u64, target: u64, run: &Run) {
         features: Features {
             shared_kinds: true,
             fencing: true,
+            fair: true,
             short_leases: false,
         },
         check_leases: true,
@@ -1072,6 +1088,7 @@ async fn cluster_with_faults(seed: u64, target: u64, run: &Run) {
         features: Features {
             shared_kinds: true,
             fencing: true,
+            fair: true,
             short_leases: false,
         },
         // A raw single-node connection would be redirected: leases are checked elsewhere.
@@ -1118,6 +1135,7 @@ async fn redlock_with_faults(seed: u64, target: u64, run: &Run) {
         features: Features {
             shared_kinds: false,
             fencing: false,
+            fair: false,
             short_leases: true,
         },
         check_leases: false,
