@@ -277,6 +277,35 @@ impl Contend for Manual {
     }
 }
 
+/// distlock's fair lock: `lock(key).fair(true).acquire()`, then `guard.release()`.
+#[derive(Clone)]
+pub(crate) struct Fair(pub(crate) LockManager);
+
+impl Contend for Fair {
+    type Guard = distlock::LockGuard;
+
+    async fn acquire(&mut self, key: &str) -> Option<Self::Guard> {
+        match self
+            .0
+            .lock(key)
+            .fair(true)
+            .ttl(TTL)
+            .wait(Duration::from_secs(60))
+            .retry_delay(Duration::from_millis(1))
+            .acquire()
+            .await
+        {
+            Ok(guard) => Some(guard),
+            Err(LockError::Busy { .. }) => None,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    async fn release(&mut self, guard: Self::Guard) {
+        guard.release().await.expect("release");
+    }
+}
+
 /// distlock's attribute on an empty function.
 #[derive(Clone)]
 pub(crate) struct Annotated(pub(crate) LockManager);
@@ -355,6 +384,9 @@ pub(crate) struct Contended {
     pub(crate) same_holder: f64,
     /// Each group's (manager's) share of the entries.
     pub(crate) shares: Vec<f64>,
+    /// Share of entries that went in ahead of a task that had asked over a millisecond
+    /// earlier and was still waiting (0 in strict arrival order).
+    pub(crate) overtaking: f64,
     /// What the server ran meanwhile.
     pub(crate) commands: Commands,
 }
@@ -402,6 +434,8 @@ pub(crate) async fn contended<C: Contend>(
         set.spawn(async move {
             let (mut waits, mut handoffs, mut same, mut count) =
                 (Vec::new(), Vec::new(), 0u64, 0u64);
+            // (asked, inside), since the epoch: the order check.
+            let mut order = Vec::new();
             'entries: while !stop.load(Ordering::Relaxed) {
                 let asked = Instant::now();
                 let guard = loop {
@@ -415,6 +449,7 @@ pub(crate) async fn contended<C: Contend>(
                 let released_at = release_started.load(Ordering::Acquire);
                 let previous = last_holder.swap(t as u64, Ordering::AcqRel);
                 if measuring.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed) {
+                    order.push((asked.duration_since(epoch), inside));
                     waits.push(asked.elapsed());
                     if released_at > 0 {
                         handoffs.push(Duration::from_nanos(inside.saturating_sub(released_at)));
@@ -425,7 +460,7 @@ pub(crate) async fn contended<C: Contend>(
                 release_started.store(epoch.elapsed().as_nanos() as u64, Ordering::Release);
                 locks.release(guard).await;
             }
-            (group, waits, handoffs, same, count)
+            (group, waits, handoffs, same, count, order)
         });
     }
     tokio::time::sleep(run / 5).await;
@@ -438,9 +473,11 @@ pub(crate) async fn contended<C: Contend>(
     let commands = Commands::read(server).since(&before);
 
     let (mut waits, mut handoffs, mut same, mut count) = (Vec::new(), Vec::new(), 0, 0);
+    let mut order = Vec::new();
     let mut per_group = vec![0u64; groups.len()];
     while let Some(done) = set.join_next().await {
-        let (group, w, h, s, c) = done.expect("bench task");
+        let (group, w, h, s, c, o) = done.expect("bench task");
+        order.extend(o);
         waits.extend(w);
         handoffs.extend(h);
         same += s;
@@ -449,7 +486,19 @@ pub(crate) async fn contended<C: Contend>(
     }
     waits.sort();
     handoffs.sort();
+    // In order of entry: an entry overtook if someone entering later had asked over a
+    // millisecond before it did (and so was waiting when it asked).
+    order.sort_by_key(|&(_, inside)| inside);
+    let mut earliest_later = Duration::MAX;
+    let mut overtakes = 0u64;
+    for &(asked, _) in order.iter().rev() {
+        if earliest_later.saturating_add(Duration::from_millis(1)) < asked {
+            overtakes += 1;
+        }
+        earliest_later = earliest_later.min(asked);
+    }
     Contended {
+        overtaking: overtakes as f64 / order.len().max(1) as f64,
         per_sec: count as f64 / elapsed.as_secs_f64(),
         entries: count,
         wait_p50: percentile(&waits, 0.5),

@@ -17,7 +17,7 @@ use distlock::testing::RedisServer;
 #[path = "../bench/harness.rs"]
 mod harness;
 
-use harness::{Annotated, Commands, Manual, Raw};
+use harness::{Annotated, Commands, Fair, Manual, Raw};
 
 fn used_memory(server: &RedisServer) -> u64 {
     let info = server.command(&["INFO", "memory"]).unwrap();
@@ -182,9 +182,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     println!("\ncontended: one key");
     println!(
-        "{:>6} {:>8}  {:>10} {:>10} {:>10} {:>11} {:>11} {:>11} {:>10}  share per manager",
+        "{:>6} {:>8} {:>5}  {:>10} {:>10} {:>10} {:>11} {:>11} {:>11} {:>10} {:>9}  share per manager",
         "tasks",
         "managers",
+        "lock",
         "entries/s",
         "wait p50",
         "wait p99",
@@ -192,22 +193,40 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "handoff p99",
         "same holder",
         "cmds/entry",
+        "overtook",
     );
     let mut breakdown = Vec::new();
-    for (tasks, managers) in [(16, 1), (64, 1), (63, 3), (1_000, 1)] {
-        let mut groups = Vec::new();
-        for _ in 0..managers {
-            groups.push(Manual(manager().await?));
-        }
+    let rows = [
+        (16, 1, false),
+        (64, 1, false),
+        (63, 3, false),
+        (1_000, 1, false),
+        (64, 1, true),
+        (63, 3, true),
+    ];
+    for (tasks, managers, fair) in rows {
         // A thousand waiters need a few rounds of the whole queue to reach a steady state.
         let run = if tasks > 100 {
             run.max(Duration::from_secs(2))
         } else {
             run
         };
-        let c = harness::contended(&server, &groups, tasks, run).await;
+        let c = if fair {
+            let mut groups = Vec::new();
+            for _ in 0..managers {
+                groups.push(Fair(manager().await?));
+            }
+            harness::contended(&server, &groups, tasks, run).await
+        } else {
+            let mut groups = Vec::new();
+            for _ in 0..managers {
+                groups.push(Manual(manager().await?));
+            }
+            harness::contended(&server, &groups, tasks, run).await
+        };
+        let lock = if fair { "fair" } else { "plain" };
         println!(
-            "{tasks:>6} {managers:>8}  {:>10.0} {:>10.2?} {:>10.2?} {:>11.2?} {:>11.2?} {:>10.1}% {:>10.2}  {}",
+            "{tasks:>6} {managers:>8} {lock:>5}  {:>10.0} {:>10.2?} {:>10.2?} {:>11.2?} {:>11.2?} {:>10.1}% {:>10.2} {:>8.1}%  {}",
             c.per_sec,
             c.wait_p50,
             c.wait_p99,
@@ -215,10 +234,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             c.handoff_p99,
             c.same_holder * 100.0,
             c.commands_per_entry(),
+            c.overtaking * 100.0,
             c.shares()
         );
         breakdown.push(format!(
-            "{tasks:>6} x {managers}: {}",
+            "{tasks:>6} x {managers} {lock}: {}",
             c.commands.per(c.entries)
         ));
     }

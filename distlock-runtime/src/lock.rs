@@ -716,10 +716,20 @@ async fn fair(
         request: &request,
         maybe_held: false,
     };
+    let join_fair = || {
+        inner.waiters.join_fair(
+            &request.wake,
+            &request.token,
+            &inner.backend,
+            &inner.driver,
+            plan.metrics,
+        )
+    };
     let mut ticket: Option<Ticket> = None;
     let mut offer: Option<oneshot::Receiver<Handed>> = None;
     let mut failure: Option<redis::RedisError> = None;
     let mut attempts = 0u32;
+    let mut looked_again = false;
     let handed = loop {
         // No offer stands while this waiter asks the server itself; one a release took
         // meanwhile decides first.
@@ -736,6 +746,13 @@ async fn fair(
                 () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
             }
         }
+        // Where this manager already waits for the key, this request waits with them from
+        // its first attempt on: it hears every grant from then on, and needs no second look.
+        let join = matches!(request.shape, Shape::Fair { join: true, .. });
+        if ticket.is_none() && join && inner.waiters.has_waiters(&request.wake) {
+            ticket = Some(join_fair());
+        }
+        let heard_all = ticket.as_ref().is_some_and(Ticket::is_subscribed);
         attempts += 1;
         crate::metrics::attempt(plan.metrics);
         let sent = Instant::now();
@@ -780,28 +797,32 @@ async fn fair(
         if attempts > plan.retries || deadline.is_some_and(|d| d <= Instant::now()) {
             return Err(fair_give_up(&plan, &mut queued, attempts, started, failure).await);
         }
-        let waiting = match &ticket {
-            Some(waiting) => waiting,
-            None => {
-                // Queued now: follow the wake channel, then ask again at once (a grant
-                // published before the subscription went unheard).
-                let joined = ticket.insert(inner.waiters.join_fair(
-                    &request.wake,
-                    &request.token,
-                    &inner.backend,
-                    &inner.driver,
-                    plan.metrics,
-                ));
-                tokio::select! {
-                    () = joined.subscribe() => {}
-                    _ = until_deadline() => {}
-                    () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
-                }
+        let waiting = ticket.get_or_insert_with(join_fair);
+        if !heard_all {
+            // Follow the wake channel (again, after a lost connection)...
+            tokio::select! {
+                () = waiting.subscribe() => {}
+                _ = until_deadline() => {}
+                () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
+            }
+            // ...then, the first time, ask again at once: a grant published before the
+            // subscription went unheard.
+            if !looked_again {
+                looked_again = true;
                 continue;
             }
+        }
+        // Grants are told; asking again only renews the entry and notices a holder whose
+        // lease ended (which tells nobody). A request bounded by a number of retries spends
+        // them at its backoff's pace, as any other.
+        let pause = if plan.retries == u32::MAX {
+            let expiry = holder_ttl.map(|ttl| ttl + Duration::from_millis(1));
+            expiry.unwrap_or(FAIR_REFRESH).min(FAIR_REFRESH)
+        } else {
+            plan.backoff.delay(attempts, holder_ttl).min(FAIR_REFRESH)
         };
         let now = Instant::now();
-        let mut until = now + plan.backoff.delay(attempts, holder_ttl).min(FAIR_REFRESH);
+        let mut until = now + pause;
         if let Some(deadline) = deadline {
             until = until.min(deadline);
         }

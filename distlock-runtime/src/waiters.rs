@@ -708,6 +708,16 @@ impl Ticket {
         self.key.lock_last_failure().clone()
     }
 
+    /// Whether the manager follows this key's wake channel right now: a message published
+    /// from here on reaches this waiter.
+    pub(crate) fn is_subscribed(&self) -> bool {
+        let Some(shared) = self.shared.upgrade() else {
+            return false;
+        };
+        let generation = shared.generation.load(Ordering::Acquire);
+        generation != 0 && self.key.subscribed_in.load(Ordering::Acquire) == generation
+    }
+
     /// Makes sure the manager follows this key's wake channel, within the manager's connect
     /// and response timeouts. Errors are not fatal: the waiter then relies on its timed
     /// fallback.
