@@ -359,3 +359,59 @@ async fn a_release_hands_the_lock_to_a_local_waiter_on_a_cluster() {
     }
     assert!(keys(&nodes, "ho:").is_empty());
 }
+
+/// Waiters queued for the fair lock `name` under `prefix`, read on whichever node has them.
+fn fair_queue(nodes: &[RedisServer], prefix: &str, name: &str) -> usize {
+    let queue = format!("{prefix}{{{name}}}:queue");
+    nodes
+        .iter()
+        .filter_map(|node| node.command(&["LLEN", &queue]).ok())
+        .filter_map(|len| len.trim().trim_start_matches(':').parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+/// A fair lock's queue lives in the lock's slot: waiters of two managers enter in arrival
+/// order on every master, and nothing is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fair_locks_keep_arrival_order_on_a_cluster() {
+    let nodes = RedisServer::start_cluster(3).unwrap();
+    let managers = [cluster(&nodes, "fq:").await, cluster(&nodes, "fq:").await];
+    let day = Duration::from_secs(24 * 3600);
+    for name in ["k0", "k1", "k2", "k3", "k4", "k5"] {
+        let held = managers[0]
+            .lock(name)
+            .fair(true)
+            .ttl(day)
+            .acquire()
+            .await
+            .unwrap();
+        let entered = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut waiting = Vec::new();
+        for n in 0..4 {
+            let (locks, entered) = (managers[(n + 1) % 2].clone(), entered.clone());
+            waiting.push(tokio::spawn(async move {
+                let guard = locks
+                    .lock(name)
+                    .fair(true)
+                    .wait(Duration::from_secs(30))
+                    .acquire()
+                    .await
+                    .unwrap();
+                entered.lock().unwrap().push(n);
+                guard.release().await.unwrap();
+            }));
+            let started = std::time::Instant::now();
+            while fair_queue(&nodes, "fq:", name) != n + 1 {
+                assert!(started.elapsed() < Duration::from_secs(10), "never queued");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+        held.release().await.unwrap();
+        for task in waiting {
+            task.await.unwrap();
+        }
+        assert_eq!(*entered.lock().unwrap(), vec![0, 1, 2, 3], "{name}");
+    }
+    assert!(keys(&nodes, "fq:").is_empty());
+}
