@@ -272,7 +272,10 @@ impl LockGuard {
             return outcome;
         }
         let mut retried = false;
-        if self.parts.held.ids.plain && keep_until.is_none() && inner.backend.hands_off() {
+        if self.parts.held.ids.plain
+            && keep_until.is_none()
+            && inner.backend.capabilities().hand_off
+        {
             match inner
                 .waiters
                 .next(&self.parts.held.ids.wake, self.parts.lease.ttl())

@@ -300,19 +300,18 @@ impl<'m> LockRequest<'m> {
         check_ttl(ttl).map_err(|reason| {
             LockError::invalid("ttl", format!("the lease of `{}` {reason}", keys.name))
         })?;
-        if self.manager.inner.backend.is_redlock() {
-            if self.fencing {
-                return Err(LockError::invalid(
-                    "fencing",
-                    "fencing tokens need one counter; RedLock masters count independently",
-                ));
-            }
-            if self.kind != RequestKind::Exclusive {
-                return Err(LockError::invalid(
-                    "lock kind",
-                    "read-write locks and semaphores are not available with RedLock",
-                ));
-            }
+        let capabilities = self.manager.inner.backend.capabilities();
+        if self.fencing && !capabilities.fencing {
+            return Err(LockError::invalid(
+                "fencing",
+                "fencing tokens need one counter; RedLock masters count independently",
+            ));
+        }
+        if self.kind != RequestKind::Exclusive && !capabilities.shared_kinds {
+            return Err(LockError::invalid(
+                "lock kind",
+                "read-write locks and semaphores are not available with RedLock",
+            ));
         }
         if self.fair {
             let refused = if self.kind != RequestKind::Exclusive {
@@ -321,7 +320,7 @@ impl<'m> LockRequest<'m> {
                 Some("fair locks do not draw fencing tokens")
             } else if self.min_hold.is_some() {
                 Some("fair locks do not keep a `min_hold`")
-            } else if !self.manager.inner.backend.queues_fairly() {
+            } else if !capabilities.fair {
                 Some("fair locks need one queue; RedLock masters would each keep their own")
             } else {
                 None
@@ -481,7 +480,7 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
     // behind them could make it wait for a lock the server would grant, even for itself.
     let shares = matches!(plan.kind, RequestKind::Read | RequestKind::Permits(_));
     // A plain lock can be handed over by a local release, in that release's round trip.
-    let hand_off = matches!(request.shape, Shape::Plain) && inner.backend.hands_off();
+    let hand_off = matches!(request.shape, Shape::Plain) && inner.backend.capabilities().hand_off;
     let mut ticket = (queues && !shares && inner.waiters.has_waiters(&request.wake)).then(join);
     let mut failure: Option<redis::RedisError> = None;
     let mut attempts = 0u32;

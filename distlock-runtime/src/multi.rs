@@ -256,7 +256,7 @@ impl<'m> MultiLockRequest<'m> {
         check_ttl(ttl).map_err(|reason| {
             LockError::invalid("ttl", format!("the lease of a lock set {reason}"))
         })?;
-        if self.fencing && self.manager.inner.backend.is_redlock() {
+        if self.fencing && !self.manager.inner.backend.capabilities().fencing {
             return Err(LockError::invalid(
                 "fencing",
                 "fencing tokens need one counter; RedLock masters count independently",

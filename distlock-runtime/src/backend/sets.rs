@@ -8,7 +8,9 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use redis::RedisResult;
 
-use super::{Backend, Node, bounded, millis, node_limit};
+use super::hold::millis;
+use super::node::{Node, bounded};
+use super::redlock::{RedLock, node_limit};
 use crate::scripts;
 
 /// One lock of a set: its key, fencing counter and wake channel.
@@ -224,13 +226,10 @@ fn set_attempt(answer: &[i64]) -> RedisResult<SetAttempt> {
     }
 }
 
-impl Backend {
+impl RedLock {
     /// One attempt at a set; with several masters, held when a majority granted the whole
     /// set and the lease left is positive, given back on every master otherwise.
     pub(crate) async fn acquire_set(&self, req: &SetRequest) -> RedisResult<SetAttempt> {
-        if let Some(node) = self.single() {
-            return node.acquire_set(req).await;
-        }
         let limit = node_limit(req.lease);
         let started = std::time::Instant::now();
         let answers = self.on_eligible(limit, |node| node.acquire_set(req)).await;
@@ -282,9 +281,6 @@ impl Backend {
     /// Gives back a set; with several masters, a lock counts as given back unless a majority
     /// positively did not hold it.
     pub(crate) async fn release_set(&self, req: &SetRequest) -> RedisResult<Vec<bool>> {
-        if let Some(node) = self.single() {
-            return node.release_set(req).await;
-        }
         let limit = node_limit(req.lease);
         let answers = join_all(
             self.nodes

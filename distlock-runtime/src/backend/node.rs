@@ -1,45 +1,30 @@
-//! Where locks live: the Redis deployment behind a manager.
-//!
-//! Every method here runs on the manager's driver runtime (see `driver`) and is bounded by the
-//! manager's response timeout, including the time spent waiting for a reconnect.
+//! One endpoint: a single server, a Sentinel-managed master (see `sentinel.rs`) or a whole
+//! Cluster behind one slot-aware connection (see `cluster.rs`). It keeps a connection per
+//! tokio runtime, loads the scripts, finds the server's native commands at `build()`, and
+//! runs every operation on a lock.
 
 use std::collections::HashMap;
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use futures_util::StreamExt;
 use futures_util::future::join_all;
-use futures_util::stream::FuturesUnordered;
 use tokio::runtime;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{
-    AsyncConnectionConfig, Client, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisError,
-    RedisResult,
-};
+use redis::{AsyncConnectionConfig, Client, IntoConnectionInfo, RedisError, RedisResult};
 
 use crate::scripts;
+
+use super::hold::{
+    AcquireCall, AcquireRequest, Attempt, FAIR_ENTRY_LEASE, FAIR_UNCLAIMED, FairRelease, HoldIds,
+    Renewal, Shape, flag, millis,
+};
+use super::sentinel::Sentinel;
 use crate::security::Security;
-
-mod sets;
-pub(crate) use sets::{SetAttempt, SetKey, SetRequest};
-
-/// The answer to one acquire attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Attempt {
-    /// The caller holds the lock; `fence` is its fencing token (0 without fencing).
-    Held { fence: u64 },
-    /// Another owner holds it for about this much longer (`None`: no expiry was reported).
-    Busy { holder_ttl: Option<Duration> },
-    /// Granted, but fewer replicas than asked acknowledged it: already given back.
-    Unreplicated { acked: u32, wanted: u32 },
-    /// Not granted: the semaphore is in use with `stored` permits, not the number asked for.
-    PermitsMismatch { stored: u32 },
-}
 
 /// How a backend connects.
 #[derive(Debug, Clone)]
@@ -65,30 +50,30 @@ pub(crate) struct ConnectOptions {
 /// thread on their way to the socket.
 #[derive(Clone)]
 pub(crate) struct Node {
-    pool: Arc<Pool>,
+    pub(super) pool: Arc<Pool>,
 }
 
-struct Pool {
+pub(super) struct Pool {
     /// Where the connections go; replaced when Sentinel names a new master.
-    client: Mutex<Client>,
-    sentinel: Option<Sentinel>,
+    pub(super) client: Mutex<Client>,
+    pub(super) sentinel: Option<Sentinel>,
     /// For RedLock masters: is this still the server we knew (its run_id)?
-    identity: Mutex<Identity>,
-    restart_delay: Duration,
-    config: ConnectionManagerConfig,
-    response_timeout: Duration,
-    connect_timeout: Duration,
-    sync_replicas: Option<(u32, Duration)>,
-    by_runtime: RwLock<HashMap<runtime::Id, Conn>>,
+    pub(super) identity: Mutex<Identity>,
+    pub(super) restart_delay: Duration,
+    pub(super) config: ConnectionManagerConfig,
+    pub(super) response_timeout: Duration,
+    pub(super) connect_timeout: Duration,
+    pub(super) sync_replicas: Option<(u32, Duration)>,
+    pub(super) by_runtime: RwLock<HashMap<runtime::Id, Conn>>,
     /// With `sync_replicas`: idle connections of each runtime for a grant and its WAIT, which
     /// blocks the connection it runs on (and must run on the one that wrote the grant).
-    replicated: Mutex<HashMap<runtime::Id, Vec<MultiplexedConnection>>>,
+    pub(super) replicated: Mutex<HashMap<runtime::Id, Vec<MultiplexedConnection>>>,
     /// Set for a Redis Cluster: connections follow the slot map (MOVED, ASK, failovers).
-    cluster: Option<ClusterClient>,
+    pub(super) cluster: Option<ClusterClient>,
     /// The server's native compare-and-delete, as found at `build()`.
-    delete: Mutex<NativeDelete>,
-    security: Arc<Security>,
-    tag: Arc<str>,
+    pub(super) delete: Mutex<NativeDelete>,
+    pub(super) security: Arc<Security>,
+    pub(super) tag: Arc<str>,
 }
 
 /// A server's native compare-and-delete, if it has one; without, a small script does it.
@@ -105,14 +90,14 @@ pub(crate) enum NativeDelete {
 
 /// A connection of one runtime: to one server, or to a whole Cluster.
 #[derive(Clone)]
-enum Conn {
+pub(super) enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
 }
 
 /// What bounds the wait for an answer on a connection.
 #[derive(Debug, Clone, Copy)]
-enum Bounds {
+pub(super) enum Bounds {
     /// The connection's own response timeout.
     Itself,
     /// A timer around the request.
@@ -173,7 +158,7 @@ impl Node {
         Self::with(url, options, None, None)
     }
 
-    fn with(
+    pub(super) fn with(
         url: impl IntoConnectionInfo,
         options: ConnectOptions,
         sentinel: Option<Sentinel>,
@@ -207,40 +192,11 @@ impl Node {
         Ok(node)
     }
 
-    /// The master that the Sentinels at `sentinels` name `master`; it follows failovers: a
-    /// connection error or a READONLY answer makes it ask the Sentinels again.
-    pub(crate) async fn sentinel(
-        sentinels: &[String],
-        master: &str,
-        options: ConnectOptions,
-    ) -> RedisResult<Self> {
-        let source = Sentinel {
-            sentinels: sentinels.to_vec(),
-            master: master.to_owned(),
-            refreshing: AtomicBool::new(false),
-            security: options.security.clone(),
-        };
-        let master = source.resolve(options.connect_timeout).await?;
-        Self::with(master, options, Some(source), None)
-    }
-
-    /// A Redis Cluster reached through `seeds`; nothing is sent until it is used.
-    pub(crate) fn cluster(seeds: &[String], options: ConnectOptions) -> RedisResult<Self> {
-        let first = seeds
-            .first()
-            .ok_or_else(|| RedisError::from(io::Error::other("no Cluster seed given")))?;
-        let builder = ClusterClient::builder(seeds.to_vec())
-            .connection_timeout(options.connect_timeout)
-            .response_timeout(options.response_timeout);
-        let cluster = options.security.cluster(builder).build()?;
-        Self::with(first.as_str(), options, None, Some(cluster))
-    }
-
-    fn is_cluster(&self) -> bool {
+    pub(super) fn is_cluster(&self) -> bool {
         self.pool.cluster.is_some()
     }
 
-    fn client(&self) -> Client {
+    pub(super) fn client(&self) -> Client {
         self.pool
             .client
             .lock()
@@ -251,7 +207,7 @@ impl Node {
     /// Passes `result` through. An error that may mean a failover makes a Sentinel-managed
     /// node look for the current master in the background; a lost connection makes a node
     /// suspect of having restarted until its run_id is checked.
-    fn watch<T>(&self, result: RedisResult<T>) -> RedisResult<T> {
+    pub(super) fn watch<T>(&self, result: RedisResult<T>) -> RedisResult<T> {
         if let Err(error) = &result
             && (error.is_io_error()
                 || error.is_connection_dropped()
@@ -274,41 +230,6 @@ impl Node {
             }
         }
         result
-    }
-
-    async fn follow_master(&self) {
-        let Some(sentinel) = &self.pool.sentinel else {
-            return;
-        };
-        match sentinel.resolve(self.pool.connect_timeout).await {
-            Ok(master) => match self.pool.security.client(master) {
-                Ok(client) => {
-                    let master = client.get_connection_info().addr().to_string();
-                    let moved = {
-                        let mut current =
-                            self.pool.client.lock().unwrap_or_else(|e| e.into_inner());
-                        let moved = current.get_connection_info().addr()
-                            != client.get_connection_info().addr();
-                        if moved {
-                            *current = client;
-                        }
-                        moved
-                    };
-                    if moved {
-                        tracing::info!(%master, "following the new master");
-                        self.pool
-                            .by_runtime
-                            .write()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .clear();
-                        self.lock_replicated().clear();
-                    }
-                }
-                Err(error) => tracing::warn!(%error, "bad master address from Sentinel"),
-            },
-            Err(error) => tracing::debug!(%error, "no master from Sentinel yet"),
-        }
-        sentinel.refreshing.store(false, Ordering::Release);
     }
 
     /// Connects from the current runtime, loads every script and notes the server's run_id.
@@ -352,6 +273,11 @@ impl Node {
     /// The native compare-and-delete found at `build()`.
     pub(crate) fn delete(&self) -> NativeDelete {
         *self.pool.delete.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether each grant WAITs for replicas (`sync_replicas`).
+    pub(crate) fn syncs_replicas(&self) -> bool {
+        self.pool.sync_replicas.is_some()
     }
 
     /// Whether INFO was denied at `load_scripts`, so that a restart cannot be noticed.
@@ -462,7 +388,7 @@ impl Node {
         self.pool.identity.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    async fn run_id(&self) -> RedisResult<String> {
+    pub(super) async fn run_id(&self) -> RedisResult<String> {
         let mut conn = self.conn().await?;
         let info: String = self.watch(
             bounded(
@@ -514,7 +440,7 @@ impl Node {
     }
 
     /// The connection of the current tokio runtime, opened (lazily) on first use.
-    async fn conn(&self) -> RedisResult<Conn> {
+    pub(super) async fn conn(&self) -> RedisResult<Conn> {
         let id = runtime::Handle::try_current()
             .map_err(|_| RedisError::from(io::Error::other("no tokio runtime")))?
             .id();
@@ -671,7 +597,7 @@ impl Node {
     }
 
     /// An idle connection of the current runtime for a grant and its WAIT, or a new one.
-    async fn replicated_conn(&self) -> RedisResult<MultiplexedConnection> {
+    pub(super) async fn replicated_conn(&self) -> RedisResult<MultiplexedConnection> {
         let id = runtime::Handle::try_current()
             .map_err(|_| RedisError::from(io::Error::other("no tokio runtime")))?
             .id();
@@ -689,7 +615,7 @@ impl Node {
 
     /// Keeps a connection that answered for the next grant (a few per runtime at most); one
     /// that failed is dropped instead, as its state is unknown.
-    fn put_back(&self, conn: MultiplexedConnection) {
+    pub(super) fn put_back(&self, conn: MultiplexedConnection) {
         const IDLE: usize = 4;
         let Ok(handle) = runtime::Handle::try_current() else {
             return;
@@ -701,7 +627,7 @@ impl Node {
         }
     }
 
-    fn lock_replicated(
+    pub(super) fn lock_replicated(
         &self,
     ) -> std::sync::MutexGuard<'_, HashMap<runtime::Id, Vec<MultiplexedConnection>>> {
         self.pool
@@ -992,13 +918,16 @@ impl Node {
         }
     }
 
-    async fn bounded<T>(&self, op: impl Future<Output = RedisResult<T>>) -> RedisResult<T> {
+    pub(super) async fn bounded<T>(
+        &self,
+        op: impl Future<Output = RedisResult<T>>,
+    ) -> RedisResult<T> {
         bounded(self.pool.response_timeout, op).await
     }
 
     /// `op`, bounded by the response timeout: by the connection itself where it bounds every
     /// request (the connection manager of one server), by a timer around `op` elsewhere.
-    async fn answer<T>(
+    pub(super) async fn answer<T>(
         &self,
         on: Bounds,
         op: impl Future<Output = RedisResult<T>>,
@@ -1012,7 +941,7 @@ impl Node {
 
 /// What a node knows about the server behind it.
 #[derive(Debug, Default)]
-struct Identity {
+pub(super) struct Identity {
     run_id: Option<String>,
     /// The connection was lost: the server may have restarted.
     suspect: bool,
@@ -1036,664 +965,16 @@ pub(crate) fn denied(error: &RedisError) -> bool {
     }
 }
 
-/// Where a Sentinel-managed master is found.
-struct Sentinel {
-    sentinels: Vec<String>,
-    master: String,
-    refreshing: AtomicBool,
-    security: Arc<Security>,
-}
-
-impl Sentinel {
-    /// Asks the Sentinels, in turn, for the master's address. The master is reached with the
-    /// answering Sentinel's URL settings (user name, password, database, TLS) at that address.
-    async fn resolve(&self, limit: Duration) -> RedisResult<ConnectionInfo> {
-        let mut last = None;
-        for url in &self.sentinels {
-            let info = match url.as_str().into_connection_info() {
-                Ok(info) => info,
-                Err(error) => {
-                    last = Some(error);
-                    continue;
-                }
-            };
-            let ask = async {
-                let client = self.security.tls_client(info.clone())?;
-                let mut conn = client.get_multiplexed_async_connection().await?;
-                let addr: Option<(String, u16)> = redis::cmd("SENTINEL")
-                    .arg("get-master-addr-by-name")
-                    .arg(&self.master)
-                    .query_async(&mut conn)
-                    .await?;
-                addr.ok_or_else(|| {
-                    RedisError::from(io::Error::other(format!(
-                        "Sentinel knows no master named `{}`",
-                        self.master
-                    )))
-                })
-            };
-            match bounded(limit, ask).await {
-                Ok((host, port)) => {
-                    let addr = match info.addr() {
-                        ConnectionAddr::TcpTls {
-                            insecure,
-                            tls_params,
-                            ..
-                        } => ConnectionAddr::TcpTls {
-                            host,
-                            port,
-                            insecure: *insecure,
-                            tls_params: tls_params.clone(),
-                        },
-                        _ => ConnectionAddr::Tcp(host, port),
-                    };
-                    return Ok(info.set_addr(addr));
-                }
-                Err(error) => last = Some(error),
-            }
-        }
-        Err(last.unwrap_or_else(|| io::Error::other("no Sentinel given").into()))
-    }
-}
-
-/// How long one RedLock master may take over its part of an operation on a lease of `lease`:
-/// a small part of the lease, so that a master that does not answer is counted as failed
-/// while the lease can still be used (or renewed) on the others.
-fn node_limit(lease: Duration) -> Duration {
-    (lease / 10).clamp(Duration::from_millis(10), Duration::from_secs(1))
-}
-
 /// Bounds `op`, reconnect waits included, by `limit`.
-async fn bounded<T>(limit: Duration, op: impl Future<Output = RedisResult<T>>) -> RedisResult<T> {
+pub(super) async fn bounded<T>(
+    limit: Duration,
+    op: impl Future<Output = RedisResult<T>>,
+) -> RedisResult<T> {
     match tokio::time::timeout(limit, op).await {
         Ok(result) => result,
         Err(_) => Err(RedisError::from(io::Error::new(
             io::ErrorKind::TimedOut,
             format!("no answer from redis within {limit:?}"),
         ))),
-    }
-}
-
-/// What names one hold of a lock, for releasing it.
-#[derive(Debug, Clone)]
-pub(crate) struct HoldIds {
-    pub(crate) lock: String,
-    pub(crate) wake: String,
-    pub(crate) token: String,
-    pub(crate) hold: String,
-    /// The share's lease key, for read locks and permits.
-    pub(crate) share: Option<String>,
-    /// The string form of a plain exclusive lock (value = token), not a hash.
-    pub(crate) plain: bool,
-    /// A fair lock's queue, whose head a release grants the lock to.
-    pub(crate) fair: Option<FairQueue>,
-}
-
-/// A fair lock's queue keys, and the entry one owner waits (or waited) in it under.
-#[derive(Debug, Clone)]
-pub(crate) struct FairQueue {
-    pub(crate) queue: String,
-    pub(crate) leases: String,
-    /// `<manager tag>:<lease ms>:<token>`, as `fair.lua` reads it.
-    pub(crate) entry: String,
-}
-
-impl FairQueue {
-    /// The queue keys of `lock`, with the entry of `token` waiting with `lease` for the
-    /// manager tagged `tag`.
-    pub(crate) fn new(lock: &str, tag: &str, lease: Duration, token: &str) -> Self {
-        use crate::key::{QUEUE, QUEUE_LEASES};
-        Self {
-            queue: format!("{lock}:{QUEUE}"),
-            leases: format!("{lock}:{QUEUE_LEASES}"),
-            entry: format!("{tag}:{}:{token}", millis(lease)),
-        }
-    }
-
-    /// The same queue, with the entry of another owner.
-    pub(crate) fn for_owner(&self, tag: &str, lease: Duration, token: &str) -> Self {
-        Self {
-            entry: format!("{tag}:{}:{token}", millis(lease)),
-            ..self.clone()
-        }
-    }
-}
-
-/// What a fair lock's release (or a waiter's leaving) did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum FairRelease {
-    /// The caller did not hold the lock: left alone.
-    NotHeld,
-    /// Nobody waited: the lock is free, and the wake-up was sent.
-    Freed,
-    /// The lock now belongs to the queue's head, the owner of this token (told by publish).
-    Granted(String),
-}
-
-/// How long a fair lock granted to a waiter of another manager stays held until that waiter
-/// claims it (it hears the grant at once; a dead one holds the queue up no longer than this).
-pub(crate) const FAIR_UNCLAIMED: Duration = Duration::from_secs(2);
-/// How long a fair queue entry stays without its waiter asking again; waiters ask at least
-/// every [`FAIR_REFRESH`].
-pub(crate) const FAIR_ENTRY_LEASE: Duration = Duration::from_secs(3);
-/// The longest a fair waiter goes without asking (and renewing its entry).
-pub(crate) const FAIR_REFRESH: Duration = Duration::from_secs(1);
-
-/// One lease in a watchdog batch.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Renewal<'a> {
-    pub(crate) lock: &'a str,
-    pub(crate) share: Option<&'a str>,
-    pub(crate) token: &'a str,
-    pub(crate) lease: Duration,
-}
-
-/// Which script an acquire attempt runs, with what it needs beyond the common fields.
-#[derive(Debug, Clone)]
-pub(crate) enum Shape {
-    /// A plain exclusive lock (no fencing, no `min_hold`): the string form, one `SET`.
-    Plain,
-    /// A plain exclusive lock taken in the order of a queue shared by every process; `join`:
-    /// enter the queue when not granted at once.
-    Fair {
-        queue: FairQueue,
-        join: bool,
-    },
-    Exclusive,
-    Write {
-        intent: String,
-        intent_lease: Duration,
-    },
-    Share {
-        share: String,
-        intent: String,
-        permits: Option<u32>,
-    },
-}
-
-/// Everything one acquire attempt sends.
-#[derive(Debug, Clone)]
-pub(crate) struct AcquireRequest {
-    pub(crate) shape: Shape,
-    pub(crate) lock: String,
-    pub(crate) fence: String,
-    pub(crate) wake: String,
-    pub(crate) token: String,
-    pub(crate) hold: String,
-    pub(crate) lease: Duration,
-    pub(crate) fencing: bool,
-    pub(crate) reentrant: bool,
-}
-
-impl AcquireRequest {
-    /// What names this request's hold, for giving it back.
-    pub(crate) fn hold_ids(&self) -> HoldIds {
-        let share = match &self.shape {
-            Shape::Share { share, .. } => Some(share.clone()),
-            Shape::Plain | Shape::Fair { .. } | Shape::Exclusive | Shape::Write { .. } => None,
-        };
-        let fair = match &self.shape {
-            Shape::Fair { queue, .. } => Some(queue.clone()),
-            _ => None,
-        };
-        HoldIds {
-            lock: self.lock.clone(),
-            wake: self.wake.clone(),
-            token: self.token.clone(),
-            hold: self.hold.clone(),
-            share,
-            plain: matches!(self.shape, Shape::Plain | Shape::Fair { .. }),
-            fair,
-        }
-    }
-}
-
-/// One acquire attempt as sent: a script, or the native `SET … NX PX … GET` of a plain lock.
-enum AcquireCall<'a> {
-    Script(redis::ScriptInvocation<'a>),
-    /// The `SET`; then, only when needed, `PTTL` (it found another owner, whose lease the
-    /// fallback timer must not outlast) or the script (it found a hash at the key).
-    Set {
-        set: redis::Cmd,
-        req: &'a AcquireRequest,
-    },
-}
-
-impl AcquireCall<'_> {
-    async fn run<C>(&self, conn: &mut C, token: &str) -> RedisResult<Attempt>
-    where
-        C: redis::aio::ConnectionLike + Send,
-    {
-        match self {
-            Self::Script(call) => {
-                let (held, value): (i64, i64) = call.invoke_async(conn).await?;
-                Ok(attempt(held, value))
-            }
-            // Nothing there: set. Our own token: an earlier send of this attempt won (its
-            // reply was lost). Another value: busy. A hash (another lock kind, or a lock with
-            // fencing or min_hold) answers WRONGTYPE: the script decides, as it alone can
-            // clear read shares or permits whose leases have ended.
-            Self::Set { set, req } => match set.query_async::<Option<String>>(conn).await {
-                Ok(None) => Ok(Attempt::Held { fence: 0 }),
-                // The lease must count from this attempt, as the caller's deadline will: the
-                // earlier send set it from then. Lengthened only if still this owner's.
-                Ok(Some(value)) if value == token => {
-                    let mut extend = scripts::EXTEND.key(&req.lock);
-                    extend.arg(&req.token).arg(millis(req.lease));
-                    let extended: i64 = extend.invoke_async(conn).await?;
-                    Ok(if extended == 1 {
-                        Attempt::Held { fence: 0 }
-                    } else {
-                        Attempt::Busy { holder_ttl: None }
-                    })
-                }
-                Ok(Some(_)) => {
-                    let left: i64 = redis::cmd("PTTL").arg(&req.lock).query_async(conn).await?;
-                    Ok(Attempt::Busy {
-                        holder_ttl: u64::try_from(left).ok().map(Duration::from_millis),
-                    })
-                }
-                Err(error) if error.code() == Some("WRONGTYPE") => {
-                    let mut script = scripts::ACQUIRE.key(&req.lock);
-                    script
-                        .key(&req.fence)
-                        .arg(&req.token)
-                        .arg(millis(req.lease))
-                        .arg(flag(false))
-                        .arg(&req.hold)
-                        .arg(flag(req.reentrant))
-                        .arg(flag(true));
-                    let (held, value): (i64, i64) = script.invoke_async(conn).await?;
-                    Ok(attempt(held, value))
-                }
-                Err(error) => Err(error),
-            },
-        }
-    }
-}
-
-/// The answer of an acquire script: `(1, fence)` when granted, `(0, holder's pttl)` when not.
-fn attempt(held: i64, value: i64) -> Attempt {
-    match held {
-        1 => Attempt::Held {
-            fence: u64::try_from(value).unwrap_or(0),
-        },
-        -1 => Attempt::PermitsMismatch {
-            stored: u32::try_from(value).unwrap_or(u32::MAX),
-        },
-        _ => Attempt::Busy {
-            holder_ttl: u64::try_from(value).ok().map(Duration::from_millis),
-        },
-    }
-}
-
-fn flag(on: bool) -> &'static str {
-    if on { "1" } else { "0" }
-}
-
-/// A lease in whole milliseconds, at least 1.
-pub(crate) fn millis(lease: Duration) -> u64 {
-    u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
-}
-
-/// Where locks live: one node, or N independent masters under the RedLock rules.
-///
-/// With one node every operation goes straight to it. With several, every operation goes to
-/// all of them at once and counts only with a majority: an acquisition holds when a majority
-/// granted it and the lease left (TTL − elapsed − drift) is positive, and is given back on
-/// every node otherwise; release, extend and renewal succeed with a majority.
-#[derive(Clone, Debug)]
-pub(crate) struct Backend {
-    nodes: Arc<[Node]>,
-    quorum: usize,
-}
-
-impl Backend {
-    /// Connects to a Redis Cluster through `seeds`.
-    pub(crate) async fn connect_cluster(
-        seeds: &[String],
-        options: ConnectOptions,
-    ) -> RedisResult<Self> {
-        let node = Node::cluster(seeds, options)?;
-        node.load_scripts().await?;
-        Ok(Self {
-            nodes: Arc::from([node]),
-            quorum: 1,
-        })
-    }
-
-    /// Connects to the master that the Sentinels at `sentinels` name `master`, and follows it
-    /// through failovers.
-    pub(crate) async fn connect_sentinel(
-        sentinels: &[String],
-        master: &str,
-        options: ConnectOptions,
-    ) -> RedisResult<Self> {
-        let node = Node::sentinel(sentinels, master, options).await?;
-        node.load_scripts().await?;
-        Ok(Self {
-            nodes: Arc::from([node]),
-            quorum: 1,
-        })
-    }
-
-    /// Connects to every URL; with several, a majority must answer.
-    pub(crate) async fn connect(urls: &[String], options: ConnectOptions) -> RedisResult<Self> {
-        let nodes = urls
-            .iter()
-            .map(|url| Node::new(url, options.clone()))
-            .collect::<RedisResult<Vec<_>>>()?;
-        let quorum = nodes.len() / 2 + 1;
-        let loaded = join_all(nodes.iter().map(Node::load_scripts)).await;
-        let reachable = loaded.iter().filter(|r| r.is_ok()).count();
-        if reachable < quorum {
-            let first = loaded.into_iter().find_map(Result::err);
-            return Err(first.unwrap_or_else(|| io::Error::other("no node reachable").into()));
-        }
-        let unchecked = nodes.iter().filter(|n| n.identity_unchecked()).count();
-        if nodes.len() > 1 && unchecked > 0 {
-            tracing::warn!(
-                masters = unchecked,
-                "INFO is denied to this user: a RedLock master that restarts (and forgets its \
-                 locks) cannot be noticed and kept out of quorums; allow `+info` to check"
-            );
-        }
-        Ok(Self {
-            nodes: nodes.into(),
-            quorum,
-        })
-    }
-
-    fn single(&self) -> Option<&Node> {
-        match &*self.nodes {
-            [node] => Some(node),
-            _ => None,
-        }
-    }
-
-    /// Runs `op` on every master at once, each bounded by `limit`; a master kept out of
-    /// quorums after a restart answers with an error instead.
-    pub(crate) async fn on_eligible<'a, T, Fut>(
-        &'a self,
-        limit: Duration,
-        op: impl Fn(&'a Node) -> Fut,
-    ) -> Vec<RedisResult<T>>
-    where
-        Fut: Future<Output = RedisResult<T>>,
-    {
-        let eligible = join_all(self.nodes.iter().map(Node::eligible)).await;
-        let attempts = self.nodes.iter().zip(eligible).map(|(node, eligible)| {
-            let attempt = eligible.then(|| op(node));
-            async move {
-                match attempt {
-                    Some(attempt) => bounded(limit, attempt).await,
-                    None => Err(io::Error::other("master out of quorum after a restart").into()),
-                }
-            }
-        });
-        join_all(attempts).await
-    }
-
-    /// The node the inspector reads (the first master of a RedLock).
-    pub(crate) fn inspected(&self) -> &Node {
-        &self.nodes[0]
-    }
-
-    /// The masters after the first (a RedLock's others; none otherwise).
-    pub(crate) fn others(&self) -> &[Node] {
-        &self.nodes[1..]
-    }
-
-    /// The node that carries wake-up messages.
-    fn first(&self) -> &Node {
-        &self.nodes[0]
-    }
-
-    /// One acquire attempt.
-    pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
-        if let Some(node) = self.single() {
-            return node.acquire(req).await;
-        }
-        let limit = node_limit(req.lease);
-        let started = std::time::Instant::now();
-        let answers = self.on_eligible(limit, |node| node.acquire(req)).await;
-        let elapsed = started.elapsed();
-        let drift = req.lease / 100 + Duration::from_millis(2);
-        let mut held = 0;
-        let mut fence = 0;
-        let mut busy_for: Option<Duration> = None;
-        let mut error = None;
-        let mut failed = 0;
-        for answer in answers {
-            match answer {
-                Ok(Attempt::Held { fence: f }) => {
-                    held += 1;
-                    fence = fence.max(f);
-                }
-                // Semaphores are not available with several masters: no mismatch comes here.
-                Ok(Attempt::Unreplicated { .. } | Attempt::PermitsMismatch { .. }) => {}
-                Ok(Attempt::Busy { holder_ttl }) => {
-                    busy_for = match (busy_for, holder_ttl) {
-                        (Some(a), Some(b)) => Some(a.min(b)),
-                        (a, b) => a.or(b),
-                    };
-                }
-                Err(e) => {
-                    failed += 1;
-                    error = Some(e);
-                }
-            }
-        }
-        if held >= self.quorum && elapsed + drift < req.lease {
-            return Ok(Attempt::Held { fence });
-        }
-        // Not held: give back whatever was granted, on every node, before answering. A node
-        // that did not answer in time may still apply the grant late: it is told too.
-        if held > 0 || failed > 0 {
-            let ids = req.hold_ids();
-            let releases = self
-                .nodes
-                .iter()
-                .map(|n| bounded(limit, n.release(&ids, Duration::ZERO)));
-            join_all(releases).await;
-        }
-        // Too few answers to call it busy: report why.
-        match error {
-            Some(error) if self.nodes.len() - failed < self.quorum => Err(error),
-            _ => Ok(Attempt::Busy {
-                holder_ttl: busy_for,
-            }),
-        }
-    }
-
-    /// Gives back one hold; with several nodes, `false` only when a majority did not hold it.
-    ///
-    /// With several nodes it answers as soon as the answers so far decide the outcome, and
-    /// leaves the slower nodes' releases to finish in the background: one frozen master does
-    /// not hold up the release (its copy of the lock ends with its lease otherwise).
-    pub(crate) async fn release(&self, ids: &HoldIds, keep: Duration) -> RedisResult<bool> {
-        if let Some(node) = self.single() {
-            return node.release(ids, keep).await;
-        }
-        let mut pending: FuturesUnordered<_> = self
-            .nodes
-            .iter()
-            .map(|node| {
-                let (node, ids) = (node.clone(), ids.clone());
-                async move { node.release(&ids, keep).await }
-            })
-            .collect();
-        // Lost only when a majority positively did not hold it: a node that is down, or one
-        // that never granted this hold, is not evidence that the lease ended.
-        let (mut not_held, mut answered, mut error) = (0, 0, None);
-        while let Some(answer) = pending.next().await {
-            match answer {
-                Ok(released) => {
-                    answered += 1;
-                    not_held += usize::from(!released);
-                }
-                Err(e) => error = Some(e),
-            }
-            let decided = not_held >= self.quorum || not_held + pending.len() < self.quorum;
-            if answered >= self.quorum && decided && !pending.is_empty() {
-                if let Ok(runtime) = runtime::Handle::try_current() {
-                    drop(runtime.spawn(async move { while pending.next().await.is_some() {} }));
-                }
-                break;
-            }
-        }
-        match error {
-            Some(error) if answered < self.quorum => Err(error),
-            _ => Ok(not_held < self.quorum),
-        }
-    }
-
-    /// Whether a release may hand a plain lock straight to a local waiter: one node (or
-    /// Sentinel, or Cluster), whose grants need nothing more than the swap. Not with RedLock,
-    /// where a grant takes a majority, nor with `sync_replicas`, where it takes a WAIT.
-    pub(crate) fn hands_off(&self) -> bool {
-        self.single()
-            .is_some_and(|node| node.pool.sync_replicas.is_none())
-    }
-
-    /// Gives back a plain lock on one node: `None` when the token did not hold it, otherwise
-    /// how many subscribers (managers with waiters) heard the wake-up.
-    pub(crate) async fn release_plain(&self, ids: &HoldIds) -> RedisResult<Option<u64>> {
-        match self.single() {
-            Some(node) => node.release_plain(ids).await,
-            None => Ok(self.release(ids, Duration::ZERO).await?.then_some(0)),
-        }
-    }
-
-    /// Releases a fair lock, and leaves its queue (see [`Node::release_fair`]). Fair locks
-    /// live on one node (or Sentinel, or Cluster): RedLock refuses them.
-    pub(crate) async fn release_fair(&self, ids: &HoldIds) -> RedisResult<FairRelease> {
-        match self.single() {
-            Some(node) => node.release_fair(ids).await,
-            None => Ok(FairRelease::NotHeld),
-        }
-    }
-
-    /// Whether fair locks are available: not with RedLock, whose masters would keep a queue
-    /// each, in orders of their own.
-    pub(crate) fn queues_fairly(&self) -> bool {
-        self.single().is_some()
-    }
-
-    /// Passes a plain lock to the owner `next` (see [`hands_off`](Self::hands_off)).
-    pub(crate) async fn hand_off(
-        &self,
-        ids: &HoldIds,
-        next: &str,
-        lease: Duration,
-    ) -> RedisResult<bool> {
-        match self.single() {
-            Some(node) => node.hand_off(ids, next, lease).await,
-            None => Ok(false),
-        }
-    }
-
-    /// Sets the lease; with several nodes, `true` when a majority set it.
-    pub(crate) async fn extend(
-        &self,
-        lock: &str,
-        share: Option<&str>,
-        token: &str,
-        lease: Duration,
-    ) -> RedisResult<bool> {
-        if let Some(node) = self.single() {
-            return node.extend(lock, share, token, lease).await;
-        }
-        let limit = node_limit(lease);
-        let answers = join_all(
-            self.nodes
-                .iter()
-                .map(|n| bounded(limit, n.extend(lock, share, token, lease))),
-        )
-        .await;
-        self.majority(answers)
-    }
-
-    /// Renews a batch; with several nodes, a lease counts as renewed on a majority.
-    pub(crate) async fn renew(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<bool>> {
-        if let Some(node) = self.single() {
-            return node.renew(items).await;
-        }
-        // Bounded by the shortest lease in the batch: a renewal that waited the full response
-        // timeout for a frozen master would end after the leases it renews.
-        let shortest = items.iter().map(|i| i.lease).min().unwrap_or_default();
-        let limit = node_limit(shortest);
-        let answers = join_all(self.nodes.iter().map(|n| bounded(limit, n.renew(items)))).await;
-        let mut counts = vec![0usize; items.len()];
-        let mut error = None;
-        let mut answered = 0;
-        for answer in answers {
-            match answer {
-                Ok(renewed) => {
-                    answered += 1;
-                    for (count, yes) in counts.iter_mut().zip(renewed) {
-                        *count += usize::from(yes);
-                    }
-                }
-                Err(e) => error = Some(e),
-            }
-        }
-        match error {
-            Some(error) if answered < self.quorum => Err(error),
-            _ => Ok(counts.into_iter().map(|c| c >= self.quorum).collect()),
-        }
-    }
-
-    /// Whether the token holds the lock (on a majority).
-    pub(crate) async fn holds(
-        &self,
-        lock: &str,
-        share: Option<&str>,
-        token: &str,
-    ) -> RedisResult<bool> {
-        if let Some(node) = self.single() {
-            return node.holds(lock, share, token).await;
-        }
-        let answers = join_all(self.nodes.iter().map(|n| n.holds(lock, share, token))).await;
-        self.majority(answers)
-    }
-
-    /// A pub/sub connection for wake-ups (on the first node).
-    pub(crate) async fn pubsub(&self) -> RedisResult<redis::aio::PubSub> {
-        self.first().pubsub().await
-    }
-
-    /// Sends `cmd` to every master and returns each node's answers (see
-    /// [`Node::ask_masters`]).
-    pub(crate) async fn ask_masters(
-        &self,
-        cmds: &[redis::Cmd],
-    ) -> Vec<RedisResult<(usize, Vec<(String, redis::Value)>)>> {
-        join_all(self.nodes.iter().map(|n| n.ask_masters(cmds))).await
-    }
-
-    /// Whether this backend spreads each lock over independent masters.
-    pub(crate) fn is_redlock(&self) -> bool {
-        self.nodes.len() > 1
-    }
-
-    /// `true` with a majority of yes; an error when too few nodes answered to know.
-    fn majority(&self, answers: Vec<RedisResult<bool>>) -> RedisResult<bool> {
-        let mut yes = 0;
-        let mut answered = 0;
-        let mut error = None;
-        for answer in answers {
-            match answer {
-                Ok(v) => {
-                    answered += 1;
-                    yes += usize::from(v);
-                }
-                Err(e) => error = Some(e),
-            }
-        }
-        match error {
-            Some(error) if yes < self.quorum && answered < self.quorum => Err(error),
-            _ => Ok(yes >= self.quorum),
-        }
     }
 }

@@ -1,0 +1,243 @@
+//! What one operation on a lock names and sends: the hold's identity, the shape of an
+//! acquire attempt and its answer, a fair lock's queue, a renewal.
+
+use std::time::Duration;
+
+use redis::RedisResult;
+
+use crate::scripts;
+
+/// The answer to one acquire attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Attempt {
+    /// The caller holds the lock; `fence` is its fencing token (0 without fencing).
+    Held { fence: u64 },
+    /// Another owner holds it for about this much longer (`None`: no expiry was reported).
+    Busy { holder_ttl: Option<Duration> },
+    /// Granted, but fewer replicas than asked acknowledged it: already given back.
+    Unreplicated { acked: u32, wanted: u32 },
+    /// Not granted: the semaphore is in use with `stored` permits, not the number asked for.
+    PermitsMismatch { stored: u32 },
+}
+
+/// What names one hold of a lock, for releasing it.
+#[derive(Debug, Clone)]
+pub(crate) struct HoldIds {
+    pub(crate) lock: String,
+    pub(crate) wake: String,
+    pub(crate) token: String,
+    pub(crate) hold: String,
+    /// The share's lease key, for read locks and permits.
+    pub(crate) share: Option<String>,
+    /// The string form of a plain exclusive lock (value = token), not a hash.
+    pub(crate) plain: bool,
+    /// A fair lock's queue, whose head a release grants the lock to.
+    pub(crate) fair: Option<FairQueue>,
+}
+
+/// A fair lock's queue keys, and the entry one owner waits (or waited) in it under.
+#[derive(Debug, Clone)]
+pub(crate) struct FairQueue {
+    pub(crate) queue: String,
+    pub(crate) leases: String,
+    /// `<manager tag>:<lease ms>:<token>`, as `fair.lua` reads it.
+    pub(crate) entry: String,
+}
+
+impl FairQueue {
+    /// The queue keys of `lock`, with the entry of `token` waiting with `lease` for the
+    /// manager tagged `tag`.
+    pub(crate) fn new(lock: &str, tag: &str, lease: Duration, token: &str) -> Self {
+        use crate::key::{QUEUE, QUEUE_LEASES};
+        Self {
+            queue: format!("{lock}:{QUEUE}"),
+            leases: format!("{lock}:{QUEUE_LEASES}"),
+            entry: format!("{tag}:{}:{token}", millis(lease)),
+        }
+    }
+
+    /// The same queue, with the entry of another owner.
+    pub(crate) fn for_owner(&self, tag: &str, lease: Duration, token: &str) -> Self {
+        Self {
+            entry: format!("{tag}:{}:{token}", millis(lease)),
+            ..self.clone()
+        }
+    }
+}
+
+/// What a fair lock's release (or a waiter's leaving) did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum FairRelease {
+    /// The caller did not hold the lock: left alone.
+    NotHeld,
+    /// Nobody waited: the lock is free, and the wake-up was sent.
+    Freed,
+    /// The lock now belongs to the queue's head, the owner of this token (told by publish).
+    Granted(String),
+}
+
+/// How long a fair lock granted to a waiter of another manager stays held until that waiter
+/// claims it (it hears the grant at once; a dead one holds the queue up no longer than this).
+pub(crate) const FAIR_UNCLAIMED: Duration = Duration::from_secs(2);
+/// How long a fair queue entry stays without its waiter asking again; waiters ask at least
+/// every [`FAIR_REFRESH`].
+pub(crate) const FAIR_ENTRY_LEASE: Duration = Duration::from_secs(3);
+/// The longest a fair waiter goes without asking (and renewing its entry).
+pub(crate) const FAIR_REFRESH: Duration = Duration::from_secs(1);
+
+/// One lease in a watchdog batch.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Renewal<'a> {
+    pub(crate) lock: &'a str,
+    pub(crate) share: Option<&'a str>,
+    pub(crate) token: &'a str,
+    pub(crate) lease: Duration,
+}
+
+/// Which script an acquire attempt runs, with what it needs beyond the common fields.
+#[derive(Debug, Clone)]
+pub(crate) enum Shape {
+    /// A plain exclusive lock (no fencing, no `min_hold`): the string form, one `SET`.
+    Plain,
+    /// A plain exclusive lock taken in the order of a queue shared by every process; `join`:
+    /// enter the queue when not granted at once.
+    Fair {
+        queue: FairQueue,
+        join: bool,
+    },
+    Exclusive,
+    Write {
+        intent: String,
+        intent_lease: Duration,
+    },
+    Share {
+        share: String,
+        intent: String,
+        permits: Option<u32>,
+    },
+}
+
+/// Everything one acquire attempt sends.
+#[derive(Debug, Clone)]
+pub(crate) struct AcquireRequest {
+    pub(crate) shape: Shape,
+    pub(crate) lock: String,
+    pub(crate) fence: String,
+    pub(crate) wake: String,
+    pub(crate) token: String,
+    pub(crate) hold: String,
+    pub(crate) lease: Duration,
+    pub(crate) fencing: bool,
+    pub(crate) reentrant: bool,
+}
+
+impl AcquireRequest {
+    /// What names this request's hold, for giving it back.
+    pub(crate) fn hold_ids(&self) -> HoldIds {
+        let share = match &self.shape {
+            Shape::Share { share, .. } => Some(share.clone()),
+            Shape::Plain | Shape::Fair { .. } | Shape::Exclusive | Shape::Write { .. } => None,
+        };
+        let fair = match &self.shape {
+            Shape::Fair { queue, .. } => Some(queue.clone()),
+            _ => None,
+        };
+        HoldIds {
+            lock: self.lock.clone(),
+            wake: self.wake.clone(),
+            token: self.token.clone(),
+            hold: self.hold.clone(),
+            share,
+            plain: matches!(self.shape, Shape::Plain | Shape::Fair { .. }),
+            fair,
+        }
+    }
+}
+
+/// One acquire attempt as sent: a script, or the native `SET … NX PX … GET` of a plain lock.
+pub(super) enum AcquireCall<'a> {
+    Script(redis::ScriptInvocation<'a>),
+    /// The `SET`; then, only when needed, `PTTL` (it found another owner, whose lease the
+    /// fallback timer must not outlast) or the script (it found a hash at the key).
+    Set {
+        set: redis::Cmd,
+        req: &'a AcquireRequest,
+    },
+}
+
+impl AcquireCall<'_> {
+    pub(super) async fn run<C>(&self, conn: &mut C, token: &str) -> RedisResult<Attempt>
+    where
+        C: redis::aio::ConnectionLike + Send,
+    {
+        match self {
+            Self::Script(call) => {
+                let (held, value): (i64, i64) = call.invoke_async(conn).await?;
+                Ok(attempt(held, value))
+            }
+            // Nothing there: set. Our own token: an earlier send of this attempt won (its
+            // reply was lost). Another value: busy. A hash (another lock kind, or a lock with
+            // fencing or min_hold) answers WRONGTYPE: the script decides, as it alone can
+            // clear read shares or permits whose leases have ended.
+            Self::Set { set, req } => match set.query_async::<Option<String>>(conn).await {
+                Ok(None) => Ok(Attempt::Held { fence: 0 }),
+                // The lease must count from this attempt, as the caller's deadline will: the
+                // earlier send set it from then. Lengthened only if still this owner's.
+                Ok(Some(value)) if value == token => {
+                    let mut extend = scripts::EXTEND.key(&req.lock);
+                    extend.arg(&req.token).arg(millis(req.lease));
+                    let extended: i64 = extend.invoke_async(conn).await?;
+                    Ok(if extended == 1 {
+                        Attempt::Held { fence: 0 }
+                    } else {
+                        Attempt::Busy { holder_ttl: None }
+                    })
+                }
+                Ok(Some(_)) => {
+                    let left: i64 = redis::cmd("PTTL").arg(&req.lock).query_async(conn).await?;
+                    Ok(Attempt::Busy {
+                        holder_ttl: u64::try_from(left).ok().map(Duration::from_millis),
+                    })
+                }
+                Err(error) if error.code() == Some("WRONGTYPE") => {
+                    let mut script = scripts::ACQUIRE.key(&req.lock);
+                    script
+                        .key(&req.fence)
+                        .arg(&req.token)
+                        .arg(millis(req.lease))
+                        .arg(flag(false))
+                        .arg(&req.hold)
+                        .arg(flag(req.reentrant))
+                        .arg(flag(true));
+                    let (held, value): (i64, i64) = script.invoke_async(conn).await?;
+                    Ok(attempt(held, value))
+                }
+                Err(error) => Err(error),
+            },
+        }
+    }
+}
+
+/// The answer of an acquire script: `(1, fence)` when granted, `(0, holder's pttl)` when not.
+pub(super) fn attempt(held: i64, value: i64) -> Attempt {
+    match held {
+        1 => Attempt::Held {
+            fence: u64::try_from(value).unwrap_or(0),
+        },
+        -1 => Attempt::PermitsMismatch {
+            stored: u32::try_from(value).unwrap_or(u32::MAX),
+        },
+        _ => Attempt::Busy {
+            holder_ttl: u64::try_from(value).ok().map(Duration::from_millis),
+        },
+    }
+}
+
+pub(super) fn flag(on: bool) -> &'static str {
+    if on { "1" } else { "0" }
+}
+
+/// A lease in whole milliseconds, at least 1.
+pub(crate) fn millis(lease: Duration) -> u64 {
+    u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
+}

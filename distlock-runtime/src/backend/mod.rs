@@ -1,0 +1,245 @@
+//! Where locks live: the Redis deployment behind a manager.
+//!
+//! One room per topology: `node.rs` is one endpoint (a server, with `sentinel.rs` for a
+//! Sentinel-managed master and `cluster.rs` for a Cluster, both reached through one `Node`),
+//! `redlock.rs` the majority rule over independent masters, `hold.rs` what an operation
+//! names and sends, and `sets.rs` sets of locks taken together. [`Backend`] picks the room;
+//! [`Capabilities`] says, once, what the deployment can do.
+//!
+//! Every method here runs on the manager's driver runtime (see `driver`) and is bounded by the
+//! manager's response timeout, including the time spent waiting for a reconnect.
+
+use std::time::Duration;
+
+use redis::RedisResult;
+
+mod cluster;
+mod hold;
+mod node;
+mod redlock;
+mod sentinel;
+mod sets;
+
+pub(crate) use hold::{
+    AcquireRequest, Attempt, FAIR_REFRESH, FairQueue, FairRelease, HoldIds, Renewal, Shape,
+};
+pub(crate) use node::{ConnectOptions, Node, denied};
+pub(crate) use sets::{SetAttempt, SetKey, SetRequest};
+
+use redlock::RedLock;
+
+/// Where locks live: one endpoint (a server, a Sentinel-managed master, a Cluster), or
+/// independent masters under the RedLock rules.
+#[derive(Clone, Debug)]
+pub(crate) struct Backend {
+    topology: Topology,
+}
+
+#[derive(Clone, Debug)]
+enum Topology {
+    One(Node),
+    RedLock(RedLock),
+}
+
+/// What the deployment behind a manager can do, as far as the lock kinds and the fast paths
+/// are concerned. Decided at `build()`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Capabilities {
+    /// A release may hand a plain lock straight to a local waiter with one conditional swap:
+    /// one endpoint, whose grants need nothing more. Not with RedLock (a grant takes a
+    /// majority) nor with `sync_replicas` (a grant takes a WAIT).
+    pub(crate) hand_off: bool,
+    /// Fair locks: one queue per key. Not with RedLock, whose masters would each keep one.
+    pub(crate) fair: bool,
+    /// Fencing tokens: one counter per key. Not with RedLock, whose masters count apart.
+    pub(crate) fencing: bool,
+    /// Read-write locks and semaphores. Not with RedLock.
+    pub(crate) shared_kinds: bool,
+}
+
+macro_rules! each {
+    ($self:ident, $node:ident => $one:expr, $masters:ident => $redlock:expr) => {
+        match &$self.topology {
+            Topology::One($node) => $one,
+            Topology::RedLock($masters) => $redlock,
+        }
+    };
+}
+
+impl Backend {
+    /// Connects to a Redis Cluster through `seeds`.
+    pub(crate) async fn connect_cluster(
+        seeds: &[String],
+        options: ConnectOptions,
+    ) -> RedisResult<Self> {
+        let node = Node::cluster(seeds, options)?;
+        node.load_scripts().await?;
+        Ok(Self::one(node))
+    }
+
+    /// Connects to the master that the Sentinels at `sentinels` name `master`, and follows it
+    /// through failovers.
+    pub(crate) async fn connect_sentinel(
+        sentinels: &[String],
+        master: &str,
+        options: ConnectOptions,
+    ) -> RedisResult<Self> {
+        let node = Node::sentinel(sentinels, master, options).await?;
+        node.load_scripts().await?;
+        Ok(Self::one(node))
+    }
+
+    /// Connects to one server, or with several URLs to independent masters (RedLock).
+    pub(crate) async fn connect(urls: &[String], options: ConnectOptions) -> RedisResult<Self> {
+        if let [url] = urls {
+            let node = Node::new(url, options)?;
+            node.load_scripts().await?;
+            return Ok(Self::one(node));
+        }
+        let masters = RedLock::connect(urls, options).await?;
+        Ok(Self {
+            topology: Topology::RedLock(masters),
+        })
+    }
+
+    fn one(node: Node) -> Self {
+        Self {
+            topology: Topology::One(node),
+        }
+    }
+
+    /// What this deployment can do.
+    pub(crate) fn capabilities(&self) -> Capabilities {
+        match &self.topology {
+            Topology::One(node) => Capabilities {
+                hand_off: !node.syncs_replicas(),
+                fair: true,
+                fencing: true,
+                shared_kinds: true,
+            },
+            Topology::RedLock(_) => Capabilities {
+                hand_off: false,
+                fair: false,
+                fencing: false,
+                shared_kinds: false,
+            },
+        }
+    }
+
+    /// Every endpoint: the one, or each RedLock master.
+    fn nodes(&self) -> &[Node] {
+        each!(self, node => std::slice::from_ref(node), masters => &masters.nodes)
+    }
+
+    /// The node the inspector reads (the first master of a RedLock).
+    pub(crate) fn inspected(&self) -> &Node {
+        &self.nodes()[0]
+    }
+
+    /// The masters after the first (a RedLock's others; none otherwise).
+    pub(crate) fn others(&self) -> &[Node] {
+        &self.nodes()[1..]
+    }
+
+    /// One acquire attempt.
+    pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
+        each!(self, node => node.acquire(req).await, masters => masters.acquire(req).await)
+    }
+
+    /// Gives back one hold; with RedLock, `false` only when a majority did not hold it.
+    pub(crate) async fn release(&self, ids: &HoldIds, keep: Duration) -> RedisResult<bool> {
+        each!(self,
+            node => node.release(ids, keep).await,
+            masters => masters.release(ids, keep).await)
+    }
+
+    /// Gives back a plain lock: `None` when the token did not hold it, otherwise how many
+    /// subscribers (managers with waiters) heard the wake-up (0 with RedLock, which does not
+    /// count them).
+    pub(crate) async fn release_plain(&self, ids: &HoldIds) -> RedisResult<Option<u64>> {
+        each!(self,
+            node => node.release_plain(ids).await,
+            masters => Ok(masters.release(ids, Duration::ZERO).await?.then_some(0)))
+    }
+
+    /// Releases a fair lock, and leaves its queue (see [`Node::release_fair`]). Fair locks
+    /// live on one endpoint: RedLock refuses them.
+    pub(crate) async fn release_fair(&self, ids: &HoldIds) -> RedisResult<FairRelease> {
+        each!(self,
+            node => node.release_fair(ids).await,
+            _masters => Ok(FairRelease::NotHeld))
+    }
+
+    /// Passes a plain lock to the owner `next` (see [`Capabilities::hand_off`]): `false`
+    /// when it did not own it.
+    pub(crate) async fn hand_off(
+        &self,
+        ids: &HoldIds,
+        next: &str,
+        lease: Duration,
+    ) -> RedisResult<bool> {
+        each!(self,
+            node => node.hand_off(ids, next, lease).await,
+            _masters => Ok(false))
+    }
+
+    /// Sets the lease; with RedLock, `true` when a majority set it.
+    pub(crate) async fn extend(
+        &self,
+        lock: &str,
+        share: Option<&str>,
+        token: &str,
+        lease: Duration,
+    ) -> RedisResult<bool> {
+        each!(self,
+            node => node.extend(lock, share, token, lease).await,
+            masters => masters.extend(lock, share, token, lease).await)
+    }
+
+    /// Renews a batch; with RedLock, a lease counts as renewed on a majority.
+    pub(crate) async fn renew(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<bool>> {
+        each!(self, node => node.renew(items).await, masters => masters.renew(items).await)
+    }
+
+    /// Whether the token holds the lock (on a majority).
+    pub(crate) async fn holds(
+        &self,
+        lock: &str,
+        share: Option<&str>,
+        token: &str,
+    ) -> RedisResult<bool> {
+        each!(self,
+            node => node.holds(lock, share, token).await,
+            masters => masters.holds(lock, share, token).await)
+    }
+
+    /// One attempt at a set of locks taken together.
+    pub(crate) async fn acquire_set(&self, req: &SetRequest) -> RedisResult<SetAttempt> {
+        each!(self,
+            node => node.acquire_set(req).await,
+            masters => masters.acquire_set(req).await)
+    }
+
+    /// Gives back a set: one answer per lock.
+    pub(crate) async fn release_set(&self, req: &SetRequest) -> RedisResult<Vec<bool>> {
+        each!(self,
+            node => node.release_set(req).await,
+            masters => masters.release_set(req).await)
+    }
+
+    /// A pub/sub connection for wake-ups (on the first master of a RedLock).
+    pub(crate) async fn pubsub(&self) -> RedisResult<redis::aio::PubSub> {
+        self.nodes()[0].pubsub().await
+    }
+
+    /// Sends `cmd` to every master and returns each node's answers (see
+    /// [`Node::ask_masters`]).
+    pub(crate) async fn ask_masters(
+        &self,
+        cmds: &[redis::Cmd],
+    ) -> Vec<RedisResult<(usize, Vec<(String, redis::Value)>)>> {
+        each!(self,
+            node => vec![node.ask_masters(cmds).await],
+            masters => masters.ask_masters(cmds).await)
+    }
+}

@@ -1,0 +1,125 @@
+//! Sentinel: the master that the Sentinels name, followed through failovers.
+
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisError, RedisResult};
+
+use super::node::{ConnectOptions, Node, bounded};
+use crate::security::Security;
+
+impl Node {
+    /// The master that the Sentinels at `sentinels` name `master`; it follows failovers: a
+    /// connection error or a READONLY answer makes it ask the Sentinels again.
+    pub(crate) async fn sentinel(
+        sentinels: &[String],
+        master: &str,
+        options: ConnectOptions,
+    ) -> RedisResult<Self> {
+        let source = Sentinel {
+            sentinels: sentinels.to_vec(),
+            master: master.to_owned(),
+            refreshing: AtomicBool::new(false),
+            security: options.security.clone(),
+        };
+        let master = source.resolve(options.connect_timeout).await?;
+        Self::with(master, options, Some(source), None)
+    }
+
+    pub(super) async fn follow_master(&self) {
+        let Some(sentinel) = &self.pool.sentinel else {
+            return;
+        };
+        match sentinel.resolve(self.pool.connect_timeout).await {
+            Ok(master) => match self.pool.security.client(master) {
+                Ok(client) => {
+                    let master = client.get_connection_info().addr().to_string();
+                    let moved = {
+                        let mut current =
+                            self.pool.client.lock().unwrap_or_else(|e| e.into_inner());
+                        let moved = current.get_connection_info().addr()
+                            != client.get_connection_info().addr();
+                        if moved {
+                            *current = client;
+                        }
+                        moved
+                    };
+                    if moved {
+                        tracing::info!(%master, "following the new master");
+                        self.pool
+                            .by_runtime
+                            .write()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .clear();
+                        self.lock_replicated().clear();
+                    }
+                }
+                Err(error) => tracing::warn!(%error, "bad master address from Sentinel"),
+            },
+            Err(error) => tracing::debug!(%error, "no master from Sentinel yet"),
+        }
+        sentinel.refreshing.store(false, Ordering::Release);
+    }
+}
+
+/// Where a Sentinel-managed master is found.
+pub(super) struct Sentinel {
+    pub(super) sentinels: Vec<String>,
+    pub(super) master: String,
+    pub(super) refreshing: AtomicBool,
+    pub(super) security: Arc<Security>,
+}
+
+impl Sentinel {
+    /// Asks the Sentinels, in turn, for the master's address. The master is reached with the
+    /// answering Sentinel's URL settings (user name, password, database, TLS) at that address.
+    async fn resolve(&self, limit: Duration) -> RedisResult<ConnectionInfo> {
+        let mut last = None;
+        for url in &self.sentinels {
+            let info = match url.as_str().into_connection_info() {
+                Ok(info) => info,
+                Err(error) => {
+                    last = Some(error);
+                    continue;
+                }
+            };
+            let ask = async {
+                let client = self.security.tls_client(info.clone())?;
+                let mut conn = client.get_multiplexed_async_connection().await?;
+                let addr: Option<(String, u16)> = redis::cmd("SENTINEL")
+                    .arg("get-master-addr-by-name")
+                    .arg(&self.master)
+                    .query_async(&mut conn)
+                    .await?;
+                addr.ok_or_else(|| {
+                    RedisError::from(io::Error::other(format!(
+                        "Sentinel knows no master named `{}`",
+                        self.master
+                    )))
+                })
+            };
+            match bounded(limit, ask).await {
+                Ok((host, port)) => {
+                    let addr = match info.addr() {
+                        ConnectionAddr::TcpTls {
+                            insecure,
+                            tls_params,
+                            ..
+                        } => ConnectionAddr::TcpTls {
+                            host,
+                            port,
+                            insecure: *insecure,
+                            tls_params: tls_params.clone(),
+                        },
+                        _ => ConnectionAddr::Tcp(host, port),
+                    };
+                    return Ok(info.set_addr(addr));
+                }
+                Err(error) => last = Some(error),
+            }
+        }
+        Err(last.unwrap_or_else(|| io::Error::other("no Sentinel given").into()))
+    }
+}
