@@ -254,16 +254,50 @@ impl fmt::Debug for LockManager {
     }
 }
 
+/// Which deployment a builder connects to: the last of `redis_url`, `cluster`, `sentinel`
+/// and `redlock` called.
+#[derive(Debug, Clone)]
+enum Topology {
+    /// One server (no URL yet: `build` says so).
+    Single(Vec<String>),
+    /// A Redis Cluster, through these seeds.
+    Cluster(Vec<String>),
+    /// The master these Sentinels name.
+    Sentinel {
+        sentinels: Vec<String>,
+        master: String,
+    },
+    /// Independent masters under the majority rule.
+    RedLock(Vec<String>),
+}
+
+impl Topology {
+    /// Every URL given for it.
+    fn urls(&self) -> &[String] {
+        match self {
+            Self::Single(urls) | Self::Cluster(urls) | Self::RedLock(urls) => urls,
+            Self::Sentinel { sentinels, .. } => sentinels,
+        }
+    }
+
+    /// Its name in `Debug` output (the master's name included, which is no secret).
+    fn name(&self) -> String {
+        match self {
+            Self::Single(_) => "single".into(),
+            Self::Cluster(_) => "cluster".into(),
+            Self::Sentinel { master, .. } => format!("sentinel ({master})"),
+            Self::RedLock(_) => "redlock".into(),
+        }
+    }
+}
+
 /// Configures a [`LockManager`]; [`build`](Self::build) checks everything and connects.
 ///
 /// Nothing here panics: a bad value is reported by `build` as [`LockError::Config`].
 #[derive(Clone)]
 #[must_use = "a builder does nothing until `build().await` is called"]
 pub struct LockManagerBuilder {
-    urls: Vec<String>,
-    redlock: bool,
-    cluster: bool,
-    sentinel_master: Option<String>,
+    topology: Topology,
     prefix: String,
     defaults: Defaults,
     connect_timeout: Duration,
@@ -277,10 +311,7 @@ pub struct LockManagerBuilder {
 impl Default for LockManagerBuilder {
     fn default() -> Self {
         Self {
-            urls: Vec::new(),
-            redlock: false,
-            cluster: false,
-            sentinel_master: None,
+            topology: Topology::Single(Vec::new()),
             prefix: "distlock:".to_owned(),
             defaults: Defaults {
                 ttl: Duration::from_secs(30),
@@ -302,14 +333,18 @@ impl Default for LockManagerBuilder {
 impl fmt::Debug for LockManagerBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockManagerBuilder")
+            .field("topology", &self.topology.name())
             .field(
                 "urls",
-                &self.urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>(),
+                &self
+                    .topology
+                    .urls()
+                    .iter()
+                    .map(|u| redact_url(u))
+                    .collect::<Vec<_>>(),
             )
             .field("key_prefix", &self.prefix)
             .field("defaults", &self.defaults)
-            .field("redlock", &self.redlock)
-            .field("sentinel_master", &self.sentinel_master)
             .field("sync_replicas", &self.sync_replicas)
             .field("redlock_restart_delay", &self.restart_delay)
             .field("connect_timeout", &self.connect_timeout)
@@ -324,10 +359,7 @@ impl LockManagerBuilder {
     /// A single Redis server, as a `redis://` or `rediss://` URL (`redis://:password@host:6379/0`).
     /// Credentials in the URL never appear in `Debug` output, errors or logs.
     pub fn redis_url(mut self, url: impl Into<String>) -> Self {
-        self.urls = vec![url.into()];
-        self.redlock = false;
-        self.cluster = false;
-        self.sentinel_master = None;
+        self.topology = Topology::Single(vec![url.into()]);
         self
     }
 
@@ -343,10 +375,7 @@ impl LockManagerBuilder {
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        self.urls = seeds.into_iter().map(Into::into).collect();
-        self.redlock = false;
-        self.cluster = true;
-        self.sentinel_master = None;
+        self.topology = Topology::Cluster(seeds.into_iter().map(Into::into).collect());
         self
     }
 
@@ -362,10 +391,10 @@ impl LockManagerBuilder {
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        self.urls = sentinels.into_iter().map(Into::into).collect();
-        self.redlock = false;
-        self.cluster = false;
-        self.sentinel_master = Some(master_name.into());
+        self.topology = Topology::Sentinel {
+            sentinels: sentinels.into_iter().map(Into::into).collect(),
+            master: master_name.into(),
+        };
         self
     }
 
@@ -381,10 +410,7 @@ impl LockManagerBuilder {
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        self.urls = urls.into_iter().map(Into::into).collect();
-        self.redlock = true;
-        self.cluster = false;
-        self.sentinel_master = None;
+        self.topology = Topology::RedLock(urls.into_iter().map(Into::into).collect());
         self
     }
 
@@ -517,21 +543,24 @@ impl LockManagerBuilder {
     /// [`require_noeviction`](Self::require_noeviction)), and fails with
     /// [`LockError::Config`] naming the command when the user lacks a permission it needs.
     pub async fn build(self) -> Result<LockManager, LockError> {
-        if self.urls.is_empty() {
+        if self.topology.urls().is_empty() {
             return Err(LockError::Config(
                 "no Redis endpoint: call `redis_url(\"redis://host:6379\")` or `redlock([...])`"
                     .into(),
             ));
         }
-        if self.redlock && self.urls.len() < 3 {
+        if let Topology::RedLock(urls) = &self.topology
+            && urls.len() < 3
+        {
             return Err(LockError::Config(format!(
                 "RedLock needs at least 3 independent masters, got {}",
-                self.urls.len()
+                urls.len()
             )));
         }
         self.check()?;
-        let urls = self.urls.clone();
-        let target = urls
+        let target = self
+            .topology
+            .urls()
             .iter()
             .map(|u| redact_url(u))
             .collect::<Vec<_>>()
@@ -552,19 +581,25 @@ impl LockManagerBuilder {
         let (connect_timeout, response_timeout) =
             (options.connect_timeout, options.response_timeout);
         // Connect from the caller's runtime, which is where its requests will come from.
-        if self.cluster && self.sync_replicas.is_some() {
+        if matches!(self.topology, Topology::Cluster(_)) && self.sync_replicas.is_some() {
             return Err(LockError::Config(
                 "`sync_replicas` is not available with `cluster`".into(),
             ));
         }
-        let (master, cluster) = (self.sentinel_master.clone(), self.cluster);
+        let topology = self.topology.clone();
         let require_noeviction = self.require_noeviction;
         let target_of_connect = target.clone();
         let connect = async move {
-            let backend = match master {
-                Some(master) => Backend::connect_sentinel(&urls, &master, options).await,
-                None if cluster => Backend::connect_cluster(&urls, options).await,
-                None => Backend::connect(&urls, options).await,
+            let backend = match &topology {
+                Topology::Single(urls) => {
+                    let url = urls.first().map_or("", String::as_str);
+                    Backend::connect(url, options).await
+                }
+                Topology::Cluster(seeds) => Backend::connect_cluster(seeds, options).await,
+                Topology::Sentinel { sentinels, master } => {
+                    Backend::connect_sentinel(sentinels, master, options).await
+                }
+                Topology::RedLock(masters) => Backend::connect_redlock(masters, options).await,
             };
             match backend {
                 Ok(backend) => check_eviction(&backend, require_noeviction)
@@ -596,7 +631,7 @@ impl LockManagerBuilder {
 
     fn check(&self) -> Result<(), LockError> {
         key::validate_prefix(&self.prefix)?;
-        self.security.check(&self.urls)?;
+        self.security.check(self.topology.urls())?;
         check_ttl(self.defaults.ttl)
             .map_err(|reason| LockError::Config(format!("`default_ttl` {reason}")))?;
         let positive = [

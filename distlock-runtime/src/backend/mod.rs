@@ -89,13 +89,18 @@ impl Backend {
         Ok(Self::one(node))
     }
 
-    /// Connects to one server, or with several URLs to independent masters (RedLock).
-    pub(crate) async fn connect(urls: &[String], options: ConnectOptions) -> RedisResult<Self> {
-        if let [url] = urls {
-            let node = Node::new(url, options)?;
-            node.load_scripts().await?;
-            return Ok(Self::one(node));
-        }
+    /// Connects to one server.
+    pub(crate) async fn connect(url: &str, options: ConnectOptions) -> RedisResult<Self> {
+        let node = Node::new(url, options)?;
+        node.load_scripts().await?;
+        Ok(Self::one(node))
+    }
+
+    /// Connects to independent masters, a majority of which must answer (RedLock).
+    pub(crate) async fn connect_redlock(
+        urls: &[String],
+        options: ConnectOptions,
+    ) -> RedisResult<Self> {
         let masters = RedLock::connect(urls, options).await?;
         Ok(Self {
             topology: Topology::RedLock(masters),
