@@ -276,7 +276,7 @@ mod tests {
             "redis://a:1,redis://b:2,redis://c:3",
         )])
         .unwrap();
-        assert!(format!("{redlock:?}").contains("redlock: true"));
+        assert!(format!("{redlock:?}").contains("topology: \"redlock\""));
         let sentinel = LockManagerBuilder::from_vars([
             ("DISTLOCK_SENTINEL", "redis://s:26379"),
             ("DISTLOCK_SENTINEL_MASTER", "mymaster"),

@@ -132,18 +132,15 @@ impl LockManager {
         };
         let mut del = redis::cmd("DEL");
         del.arg(&keys.lock)
-            .arg(keys.companion("mh"))
-            .arg(keys.companion("wi"));
+            .arg(keys.min_hold_timer())
+            .arg(keys.write_intent());
         for holder in &info.holders {
-            del.arg(format!("{}:s:{}", keys.lock, holder.token));
+            del.arg(keys.share(&holder.token));
         }
         let node = self.inner.backend.inspected();
         let failed = |e| LockError::redis(name, e);
         let _: i64 = node.query(&del).await.map_err(failed)?;
-        let wake = redis::cmd("PUBLISH")
-            .arg(keys.companion("wake"))
-            .arg("")
-            .to_owned();
+        let wake = redis::cmd("PUBLISH").arg(keys.wake()).arg("").to_owned();
         let _: i64 = node.query(&wake).await.map_err(failed)?;
         for other in self.inner.backend.others() {
             // The other RedLock masters: best effort, the quorum is gone with the first.
@@ -167,7 +164,7 @@ async fn read(locks: &LockManager, keys: &Keys) -> Result<Option<LockInfo>, Lock
         .await
         .map_err(failed)?;
     let counter: Option<u64> = node
-        .query(redis::cmd("GET").arg(keys.companion("fence")))
+        .query(redis::cmd("GET").arg(keys.fence()))
         .await
         .map_err(failed)?;
     let mut info = LockInfo {
@@ -231,7 +228,7 @@ async fn read(locks: &LockManager, keys: &Keys) -> Result<Option<LockInfo>, Lock
                 };
                 if shared {
                     // A share's lease is its own key, whose value is its fencing token.
-                    let share = format!("{}:s:{name}", keys.lock);
+                    let share = keys.share(name);
                     let left: i64 = node
                         .query(redis::cmd("PTTL").arg(&share))
                         .await

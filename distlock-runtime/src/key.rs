@@ -23,15 +23,64 @@ impl Keys {
     }
 
     /// A companion key of this lock, `<lock>:suffix`, in the same slot.
-    pub(crate) fn companion(&self, suffix: &str) -> String {
-        format!("{}:{suffix}", self.lock)
+    fn companion(&self, suffix: &str) -> String {
+        companion(&self.lock, suffix)
+    }
+
+    /// The per-key fencing counter.
+    pub(crate) fn fence(&self) -> String {
+        self.companion(FENCE)
+    }
+
+    /// The wake channel, published on when the lock is released or granted.
+    pub(crate) fn wake(&self) -> String {
+        self.companion(WAKE)
+    }
+
+    /// A waiting writer's intent, which keeps new readers out.
+    pub(crate) fn write_intent(&self) -> String {
+        self.companion(WRITE_INTENT)
+    }
+
+    /// The timer of a `min_hold` window that a nested hold outlives.
+    pub(crate) fn min_hold_timer(&self) -> String {
+        self.companion(MIN_HOLD_TIMER)
+    }
+
+    /// The lease key of one read share or permit, held by `token`.
+    pub(crate) fn share(&self, token: &str) -> String {
+        share_key(&self.lock, token)
     }
 }
 
-/// The suffix of a fair lock's queue of waiters (a list, oldest first).
-pub(crate) const QUEUE: &str = "queue";
-/// The suffix of the leases of a fair lock's queue entries (a sorted set by end time).
-pub(crate) const QUEUE_LEASES: &str = "queue:leases";
+/// `<lock>:suffix`: a companion key in the lock's slot.
+fn companion(lock: &str, suffix: &str) -> String {
+    format!("{lock}:{suffix}")
+}
+
+/// The lease key of the share of `token` in `lock`.
+pub(crate) fn share_key(lock: &str, token: &str) -> String {
+    companion(lock, &format!("{SHARE}:{token}"))
+}
+
+/// A fair lock's queue of waiters (a list, oldest first), in the lock's slot.
+pub(crate) fn queue_key(lock: &str) -> String {
+    companion(lock, QUEUE)
+}
+
+/// The leases of a fair lock's queue entries (a sorted set by end time).
+pub(crate) fn queue_leases_key(lock: &str) -> String {
+    companion(lock, QUEUE_LEASES)
+}
+
+// The companion keys' suffixes; the Lua scripts receive the keys themselves.
+const FENCE: &str = "fence";
+const WAKE: &str = "wake";
+const WRITE_INTENT: &str = "wi";
+const MIN_HOLD_TIMER: &str = "mh";
+const SHARE: &str = "s";
+const QUEUE: &str = "queue";
+const QUEUE_LEASES: &str = "queue:leases";
 
 /// The lock key of `name` under `prefix`: `prefix{name}`.
 ///

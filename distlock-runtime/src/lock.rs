@@ -433,8 +433,8 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
     let request = Arc::new(AcquireRequest {
         shape,
         lock: plan.keys.lock.clone(),
-        fence: plan.keys.companion("fence"),
-        wake: plan.keys.companion("wake"),
+        fence: plan.keys.fence(),
+        wake: plan.keys.wake(),
         hold: token.clone(),
         token,
         lease: plan.ttl,
@@ -1019,8 +1019,8 @@ fn nested(manager: &LockManager, plan: Plan, held: Arc<Held>) -> LockGuard {
 
 /// The script shape and context kind of a first (or shared) hold of `kind` for `token`.
 fn shape_of(kind: RequestKind, plan: &Plan, token: &str, tag: &str) -> (Shape, Kind) {
-    let share = || format!("{}:s:{token}", plan.keys.lock);
-    let intent = || plan.keys.companion("wi");
+    let share = || plan.keys.share(token);
+    let intent = || plan.keys.write_intent();
     match kind {
         // Checked by `plan`: exclusive, without fencing or min_hold.
         RequestKind::Exclusive if plan.fair => {

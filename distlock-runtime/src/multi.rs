@@ -320,8 +320,8 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Mult
             .iter()
             .map(|k| SetKey {
                 lock: k.lock.clone(),
-                fence: k.companion("fence"),
-                wake: k.companion("wake"),
+                fence: k.fence(),
+                wake: k.wake(),
             })
             .collect(),
         token: token.clone(),

@@ -48,10 +48,9 @@ impl FairQueue {
     /// The queue keys of `lock`, with the entry of `token` waiting with `lease` for the
     /// manager tagged `tag`.
     pub(crate) fn new(lock: &str, tag: &str, lease: Duration, token: &str) -> Self {
-        use crate::key::{QUEUE, QUEUE_LEASES};
         Self {
-            queue: format!("{lock}:{QUEUE}"),
-            leases: format!("{lock}:{QUEUE_LEASES}"),
+            queue: crate::key::queue_key(lock),
+            leases: crate::key::queue_leases_key(lock),
             entry: format!("{tag}:{}:{token}", millis(lease)),
         }
     }
