@@ -257,23 +257,26 @@ impl Contend for Manual {
     type Guard = distlock::LockGuard;
 
     async fn acquire(&mut self, key: &str) -> Option<Self::Guard> {
-        match self
-            .0
-            .lock(key)
-            .ttl(TTL)
-            .wait(Duration::from_secs(60))
-            .retry_delay(Duration::from_millis(1))
-            .acquire()
-            .await
-        {
-            Ok(guard) => Some(guard),
-            Err(LockError::Busy { .. }) => None,
-            Err(e) => panic!("{e}"),
-        }
+        wait_for(&self.0, key, false).await
     }
 
     async fn release(&mut self, guard: Self::Guard) {
         guard.release().await.expect("release");
+    }
+}
+
+/// Waits for `key` (a minute at most), `fair` or not; `None` when that was not enough.
+async fn wait_for(locks: &LockManager, key: &str, fair: bool) -> Option<distlock::LockGuard> {
+    let request = locks
+        .lock(key)
+        .fair(fair)
+        .ttl(TTL)
+        .wait(Duration::from_secs(60))
+        .retry_delay(Duration::from_millis(1));
+    match request.acquire().await {
+        Ok(guard) => Some(guard),
+        Err(LockError::Busy { .. }) => None,
+        Err(e) => panic!("{e}"),
     }
 }
 
@@ -285,20 +288,7 @@ impl Contend for Fair {
     type Guard = distlock::LockGuard;
 
     async fn acquire(&mut self, key: &str) -> Option<Self::Guard> {
-        match self
-            .0
-            .lock(key)
-            .fair(true)
-            .ttl(TTL)
-            .wait(Duration::from_secs(60))
-            .retry_delay(Duration::from_millis(1))
-            .acquire()
-            .await
-        {
-            Ok(guard) => Some(guard),
-            Err(LockError::Busy { .. }) => None,
-            Err(e) => panic!("{e}"),
-        }
+        wait_for(&self.0, key, true).await
     }
 
     async fn release(&mut self, guard: Self::Guard) {

@@ -569,13 +569,7 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
                 }
             }
             attempts += 1;
-            crate::metrics::attempt(plan.metrics);
-            let sent = Instant::now();
-            in_flight.maybe_held = true;
-            let attempt = request.clone();
-            let outcome = inner
-                .exec(move |backend| async move { backend.acquire(&attempt).await })
-                .await?;
+            let (sent, outcome) = send_attempt(manager, &plan, &request, &mut in_flight).await?;
             let holder_ttl = match outcome {
                 Ok(Attempt::Held { fence }) => {
                     in_flight.maybe_held = false;
@@ -753,13 +747,7 @@ async fn fair(
         }
         let heard_all = ticket.as_ref().is_some_and(Ticket::is_subscribed);
         attempts += 1;
-        crate::metrics::attempt(plan.metrics);
-        let sent = Instant::now();
-        queued.maybe_held = true;
-        let attempt = request.clone();
-        let outcome = inner
-            .exec(move |backend| async move { backend.acquire(&attempt).await })
-            .await?;
+        let (sent, outcome) = send_attempt(manager, &plan, &request, &mut queued).await?;
         let holder_ttl = match outcome {
             Ok(Attempt::Held { .. }) => {
                 queued.maybe_held = false;
@@ -845,6 +833,25 @@ async fn fair(
         record,
     };
     Ok(taken.grant(manager, plan, request, kind))
+}
+
+/// Sends one attempt of `request`; `in_flight` covers it from now until its answer has been
+/// looked at. Returns when it was sent, and the answer.
+async fn send_attempt(
+    manager: &LockManager,
+    plan: &Plan,
+    request: &Arc<AcquireRequest>,
+    in_flight: &mut InFlight<'_>,
+) -> Result<(Instant, redis::RedisResult<Attempt>), LockError> {
+    crate::metrics::attempt(plan.metrics);
+    let sent = Instant::now();
+    in_flight.maybe_held = true;
+    let attempt = request.clone();
+    let outcome = manager
+        .inner
+        .exec(move |backend| async move { backend.acquire(&attempt).await })
+        .await?;
+    Ok((sent, outcome))
 }
 
 /// A fair request that gives up leaves the queue before it answers (and gives back a lock a
