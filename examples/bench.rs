@@ -203,6 +203,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         (1_000, 1, false),
         (64, 1, true),
         (63, 3, true),
+        (1_000, 1, true),
     ];
     for (tasks, managers, fair) in rows {
         // A thousand waiters need a few rounds of the whole queue to reach a steady state.
