@@ -282,7 +282,12 @@ impl LockGuard {
             {
                 Next::Release => {}
                 Next::Yield => {
-                    let outcome = self.yield_to_all().await;
+                    let outcome = self.release_plain(false).await;
+                    unanswered.0 = None;
+                    return outcome;
+                }
+                Next::Continue => {
+                    let outcome = self.release_plain(true).await;
                     unanswered.0 = None;
                     return outcome;
                 }
@@ -363,17 +368,26 @@ impl LockGuard {
         }
     }
 
-    /// Ends a run of local hand-offs: releases to every process alike, and lets the local
-    /// waiters sit out while other processes' waiters take their turns.
-    async fn yield_to_all(&self) -> Result<(), LockError> {
+    /// Gives back a plain lock while this manager has waiters for it. `continuing`: the local
+    /// head, asking the server itself right now, takes it over; the wake-up says so, and
+    /// other processes' waiters let it pass. Otherwise a run of local hand-offs ends: the
+    /// lock goes to every process alike, and the local waiters sit out while other
+    /// processes' waiters take their turns.
+    async fn release_plain(&self, continuing: bool) -> Result<(), LockError> {
         let inner = &self.parts.manager.inner;
         let ids = self.ids();
         let lease = self.parts.lease.ttl();
         let release = {
             let ids = ids.clone();
-            move |backend: crate::backend::Backend| async move { backend.release_plain(&ids).await }
+            move |backend: crate::backend::Backend| async move {
+                backend.release_plain(&ids, continuing).await
+            }
         };
         match inner.exec(release).await? {
+            Ok(Some(_)) if continuing => {
+                inner.waiters.released(&ids.wake);
+                Ok(())
+            }
             Ok(Some(heard)) => {
                 inner.waiters.yielded(&ids.wake, heard, lease);
                 Ok(())

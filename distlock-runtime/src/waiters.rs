@@ -149,9 +149,11 @@ pub(crate) struct Offer {
 /// What a release should do about the local waiters of its key.
 #[derive(Debug)]
 pub(crate) enum Next {
-    /// Release, and wake the local head (nobody waits here, or the head is asking the server
-    /// itself right now).
+    /// Release, and wake the local head if there is one (nobody waits here).
     Release,
+    /// Release, and wake the local head, which is asking the server itself right now: the
+    /// wake-up tells other processes that this one's next waiter takes the lock over.
+    Continue,
     /// Hand the lock to this waiter.
     HandOff(Offer),
     /// The run of hand-offs is over: release to every process alike, waking nobody here
@@ -347,6 +349,7 @@ impl Waiters {
             .and_then(|head| head.offer.take_if(|offer| !offer.handed.is_closed()));
         match offer {
             Some(offer) => Next::HandOff(offer),
+            None if queue.head().is_some() => Next::Continue,
             None => Next::Release,
         }
     }
@@ -414,6 +417,11 @@ impl Shared {
     fn dispatch(&self, channel: &str, message: &[u8]) {
         let key = self.lock_keys().get(channel).cloned();
         if let Some(key) = key {
+            // A release whose manager's next waiter takes the lock over: nothing to compete
+            // for here, and not the end of that manager's turn.
+            if message.ends_with(b"+") {
+                return;
+            }
             if let Some(token) = message.strip_prefix(b"=") {
                 let queue = key.lock_queue();
                 let granted = queue.entries.iter().find_map(|entry| {
