@@ -822,6 +822,10 @@ async fn fair(
             _ = inner.sleep_until(until) => {}
             () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
         }
+        if deadline.is_some_and(|d| d <= Instant::now()) {
+            // A grant that came meanwhile is given back (or passed on) by the leaving.
+            return Err(fair_give_up(&plan, &mut queued, attempts, started, failure).await);
+        }
     };
     queued.maybe_held = false;
     drop(queued);
