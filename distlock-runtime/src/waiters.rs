@@ -108,9 +108,20 @@ struct Queue {
     /// A waiter of this manager took the plain lock and has not released it yet, as far as
     /// this manager knows: until when its lease runs without renewal.
     held_here: Option<Instant>,
-    /// After a run of hand-offs ended in a release to everyone: how many releases by other
-    /// processes the local head lets pass before it competes again, and until when at most.
-    sitting_out: Option<(u64, Instant)>,
+    /// After a run of hand-offs ended in a release to everyone: the local head lets the
+    /// other processes have a turn each before it competes again, and waits until when at
+    /// most (see [`SittingOut`]).
+    sitting_out: Option<SittingOut>,
+}
+
+/// The local head's turn comes after one release by each of `others` other processes.
+#[derive(Debug)]
+struct SittingOut {
+    others: usize,
+    /// The tags of the processes heard releasing so far (each counts once: one that has its
+    /// turn again before another had one does not end the wait early).
+    heard: std::collections::HashSet<Vec<u8>>,
+    until: Instant,
 }
 
 /// Local hand-offs in a row, at most, before a release goes to everyone.
@@ -369,7 +380,11 @@ impl Waiters {
         }
         let slice = SLICE.min(lease / 10);
         let until = Instant::now() + slice * 2 * u32::try_from(others).unwrap_or(u32::MAX);
-        key.lock_queue().sitting_out = Some((others, until));
+        key.lock_queue().sitting_out = Some(SittingOut {
+            others: usize::try_from(others).unwrap_or(usize::MAX),
+            heard: std::collections::HashSet::new(),
+            until,
+        });
     }
 
     /// A release by this manager granted the fair lock behind `channel` to the waiter with
@@ -437,9 +452,9 @@ impl Shared {
             }
             if message != self.tag.as_bytes() {
                 let mut queue = key.lock_queue();
-                if let Some((left, _)) = &mut queue.sitting_out {
-                    *left = left.saturating_sub(1);
-                    if *left == 0 {
+                if let Some(sitting) = &mut queue.sitting_out {
+                    sitting.heard.insert(message.to_vec());
+                    if sitting.heard.len() >= sitting.others {
                         queue.sitting_out = None;
                     }
                 }
@@ -659,8 +674,8 @@ impl Ticket {
     /// [`Waiters::yielded`]), if it does now.
     pub(crate) fn sitting_out(&self) -> Option<Instant> {
         let mut queue = self.key.lock_queue();
-        match queue.sitting_out {
-            Some((_, until)) if Instant::now() < until => Some(until),
+        match &queue.sitting_out {
+            Some(SittingOut { until, .. }) if Instant::now() < *until => Some(*until),
             Some(_) => {
                 queue.sitting_out = None;
                 None
