@@ -10,7 +10,9 @@
 
 use std::sync::LazyLock;
 
-use redis::Script;
+use std::time::Duration;
+
+use redis::{Script, ScriptInvocation};
 
 /// Take (or re-enter) an exclusive lock: `{1, fence}` when held, `{0, pttl}` when busy.
 pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
@@ -118,6 +120,303 @@ pub(crate) fn all() -> [&'static Script; 12] {
     ]
 }
 
+/// A lease in whole milliseconds, at least 1 (what `PX` and `PEXPIRE` take).
+pub(crate) fn millis(lease: Duration) -> u64 {
+    whole_millis(lease).max(1)
+}
+
+/// A duration in whole milliseconds, 0 included (a window that may be empty).
+fn whole_millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn flag(on: bool) -> &'static str {
+    if on { "1" } else { "0" }
+}
+
+// Each script's KEYS and ARGV, by name and in the order its `.lua` file reads them: every
+// call site (and every test) fills these, never the positions.
+
+/// A call of `acquire.lua`.
+pub(crate) struct Acquire<'a> {
+    pub(crate) lock: &'a str,
+    pub(crate) fence: &'a str,
+    pub(crate) token: &'a str,
+    pub(crate) lease: Duration,
+    pub(crate) fencing: bool,
+    pub(crate) hold: &'a str,
+    pub(crate) reentrant: bool,
+    /// The native `SET` found a hash at the key: this takes over from it.
+    pub(crate) after_set: bool,
+}
+
+impl Acquire<'_> {
+    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
+        let mut call = ACQUIRE.key(self.lock);
+        call.key(self.fence)
+            .arg(self.token)
+            .arg(millis(self.lease))
+            .arg(flag(self.fencing))
+            .arg(self.hold)
+            .arg(flag(self.reentrant))
+            .arg(flag(self.after_set));
+        call
+    }
+}
+
+/// A call of `write_acquire.lua`.
+pub(crate) struct WriteAcquire<'a> {
+    pub(crate) lock: &'a str,
+    pub(crate) fence: &'a str,
+    pub(crate) intent: &'a str,
+    pub(crate) token: &'a str,
+    pub(crate) lease: Duration,
+    pub(crate) fencing: bool,
+    pub(crate) hold: &'a str,
+    pub(crate) reentrant: bool,
+    /// How long the writer's intent keeps new readers out (0: leave none).
+    pub(crate) intent_lease: Duration,
+}
+
+impl WriteAcquire<'_> {
+    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
+        let mut call = WRITE_ACQUIRE.key(self.lock);
+        call.key(self.fence)
+            .key(self.intent)
+            .arg(self.token)
+            .arg(millis(self.lease))
+            .arg(flag(self.fencing))
+            .arg(self.hold)
+            .arg(flag(self.reentrant))
+            .arg(whole_millis(self.intent_lease));
+        call
+    }
+}
+
+/// A call of `share_acquire.lua`: a read share, or a permit of `permits`.
+pub(crate) struct ShareAcquire<'a> {
+    pub(crate) lock: &'a str,
+    pub(crate) share: &'a str,
+    pub(crate) intent: &'a str,
+    pub(crate) fence: &'a str,
+    pub(crate) token: &'a str,
+    pub(crate) lease: Duration,
+    pub(crate) hold: &'a str,
+    pub(crate) permits: Option<u32>,
+    pub(crate) fencing: bool,
+}
+
+impl ShareAcquire<'_> {
+    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
+        let mut call = SHARE_ACQUIRE.key(self.lock);
+        call.key(self.share)
+            .key(self.intent)
+            .key(self.fence)
+            .arg(self.token)
+            .arg(millis(self.lease))
+            .arg(self.hold);
+        match self.permits {
+            Some(permits) => call.arg(permits),
+            None => call.arg("read"),
+        };
+        call.arg(flag(self.fencing));
+        call
+    }
+}
+
+/// A call of `release.lua`: one hold of an exclusive (hash) lock; `keep` for a `min_hold`.
+pub(crate) struct Release<'a> {
+    pub(crate) lock: &'a str,
+    pub(crate) wake: &'a str,
+    pub(crate) token: &'a str,
+    pub(crate) hold: &'a str,
+    pub(crate) keep: Duration,
+}
+
+impl Release<'_> {
+    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
+        let mut call = RELEASE.key(self.lock);
+        call.key(self.wake)
+            .arg(self.token)
+            .arg(self.hold)
+            .arg(whole_millis(self.keep));
+        call
+    }
+}
+
+/// A call of `share_release.lua`.
+pub(crate) struct ShareRelease<'a> {
+    pub(crate) lock: &'a str,
+    pub(crate) share: &'a str,
+    pub(crate) wake: &'a str,
+    pub(crate) token: &'a str,
+    pub(crate) hold: &'a str,
+}
+
+impl ShareRelease<'_> {
+    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
+        let mut call = SHARE_RELEASE.key(self.lock);
+        call.key(self.share)
+            .key(self.wake)
+            .arg(self.token)
+            .arg(self.hold);
+        call
+    }
+}
+
+/// A call of `unlock.lua`: a plain lock, given back with the wake-up `message`.
+pub(crate) struct Unlock<'a> {
+    pub(crate) lock: &'a str,
+    pub(crate) wake: &'a str,
+    pub(crate) token: &'a str,
+    pub(crate) keep: Duration,
+    pub(crate) message: &'a str,
+}
+
+impl Unlock<'_> {
+    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
+        let mut call = UNLOCK.key(self.lock);
+        call.key(self.wake)
+            .arg(self.token)
+            .arg(whole_millis(self.keep))
+            .arg(self.message);
+        call
+    }
+}
+
+/// A call of `handoff.lua`: a plain lock from `token` to `next`, with `lease`.
+pub(crate) struct HandOff<'a> {
+    pub(crate) lock: &'a str,
+    pub(crate) token: &'a str,
+    pub(crate) next: &'a str,
+    pub(crate) lease: Duration,
+}
+
+impl HandOff<'_> {
+    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
+        let mut call = HANDOFF.key(self.lock);
+        call.arg(self.token).arg(self.next).arg(millis(self.lease));
+        call
+    }
+}
+
+/// A call of `extend.lua`: the lease of a lock (and of a share, for shares).
+pub(crate) struct Extend<'a> {
+    pub(crate) lock: &'a str,
+    pub(crate) share: Option<&'a str>,
+    pub(crate) token: &'a str,
+    pub(crate) lease: Duration,
+}
+
+impl Extend<'_> {
+    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
+        let mut call = EXTEND.key(self.lock);
+        if let Some(share) = self.share {
+            call.key(share);
+        }
+        call.arg(self.token).arg(millis(self.lease));
+        call
+    }
+}
+
+/// A call of `renew.lua`: a batch of `(lock, share, token, lease)` (the share is the lock
+/// itself for a whole-lock hold).
+pub(crate) fn renew<'a>(
+    items: impl IntoIterator<Item = (&'a str, Option<&'a str>, &'a str, Duration)>,
+) -> ScriptInvocation<'static> {
+    let mut call = RENEW.prepare_invoke();
+    for (lock, share, token, lease) in items {
+        call.key(lock)
+            .key(share.unwrap_or(lock))
+            .arg(token)
+            .arg(millis(lease));
+    }
+    call
+}
+
+/// A call of `fair.lua`.
+pub(crate) struct Fair<'a> {
+    pub(crate) lock: &'a str,
+    pub(crate) queue: &'a str,
+    pub(crate) leases: &'a str,
+    pub(crate) wake: &'a str,
+    pub(crate) token: &'a str,
+    /// The caller's queue entry.
+    pub(crate) entry: &'a str,
+    /// The caller's manager tag.
+    pub(crate) tag: &'a str,
+    /// How long a lock granted to another manager's waiter stays held unclaimed.
+    pub(crate) unclaimed: Duration,
+    pub(crate) op: FairOp,
+}
+
+/// What a `fair.lua` call does.
+pub(crate) enum FairOp {
+    /// Take the lock in queue order; `join`: queue up (or renew the entry) when not granted.
+    Take {
+        lease: Duration,
+        entry_lease: Duration,
+        join: bool,
+    },
+    /// Give it to the queue's head (or free it), and leave the queue.
+    Release,
+}
+
+impl Fair<'_> {
+    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
+        let mut call = FAIR.key(self.lock);
+        call.key(self.queue).key(self.leases).key(self.wake);
+        let op = match self.op {
+            FairOp::Take { .. } => "take",
+            FairOp::Release => "release",
+        };
+        call.arg(op)
+            .arg(self.token)
+            .arg(self.entry)
+            .arg(self.tag)
+            .arg(millis(self.unclaimed));
+        if let FairOp::Take {
+            lease,
+            entry_lease,
+            join,
+        } = self.op
+        {
+            call.arg(millis(lease))
+                .arg(millis(entry_lease))
+                .arg(flag(join));
+        }
+        call
+    }
+}
+
+/// A call of `multi_acquire.lua`: every `(lock, fence)` of a set, all or none.
+pub(crate) fn multi_acquire<'a>(
+    keys: impl IntoIterator<Item = (&'a str, &'a str)>,
+    token: &str,
+    lease: Duration,
+    fencing: bool,
+) -> ScriptInvocation<'static> {
+    let mut call = MULTI_ACQUIRE.prepare_invoke();
+    for (lock, fence) in keys {
+        call.key(lock).key(fence);
+    }
+    call.arg(token).arg(millis(lease)).arg(flag(fencing));
+    call
+}
+
+/// A call of `multi_release.lua`: every `(lock, wake)` of a set.
+pub(crate) fn multi_release<'a>(
+    keys: impl IntoIterator<Item = (&'a str, &'a str)>,
+    token: &str,
+) -> ScriptInvocation<'static> {
+    let mut call = MULTI_RELEASE.prepare_invoke();
+    for (lock, wake) in keys {
+        call.key(lock).key(wake);
+    }
+    call.arg(token);
+    call
+}
+
 #[cfg(all(test, feature = "test-util"))]
 mod tests {
     use redis::AsyncCommands;
@@ -140,20 +439,30 @@ mod tests {
         fencing: bool,
         reentrant: bool,
     ) -> (i64, i64) {
-        let mut call = ACQUIRE.key(lock);
-        call.key(format!("{lock}:fence"))
-            .arg(token)
-            .arg(10_000)
-            .arg(if fencing { "1" } else { "0" })
-            .arg(hold)
-            .arg(if reentrant { "1" } else { "0" });
-        call.invoke_async(conn).await.unwrap()
+        let fence = format!("{lock}:fence");
+        let call = Acquire {
+            lock,
+            fence: &fence,
+            token,
+            lease: Duration::from_secs(10),
+            fencing,
+            hold,
+            reentrant,
+            after_set: false,
+        };
+        call.call().invoke_async(conn).await.unwrap()
     }
 
     async fn release(conn: &mut MultiplexedConnection, lock: &str, token: &str, hold: &str) -> i64 {
-        let mut call = RELEASE.key(lock);
-        call.key(format!("{lock}:wake")).arg(token).arg(hold).arg(0);
-        call.invoke_async(conn).await.unwrap()
+        let wake = format!("{lock}:wake");
+        let call = Release {
+            lock,
+            wake: &wake,
+            token,
+            hold,
+            keep: Duration::ZERO,
+        };
+        call.call().invoke_async(conn).await.unwrap()
     }
 
     #[tokio::test]
@@ -232,33 +541,42 @@ mod tests {
         acquire(&mut conn, lock, "a", "a", false, false).await;
         let _: () = conn.pexpire(lock, 1_000).await.unwrap();
 
-        let stranger: i64 = EXTEND
-            .key(lock)
-            .arg("b")
-            .arg(60_000)
-            .invoke_async(&mut conn)
-            .await
-            .unwrap();
+        let stranger: i64 = Extend {
+            lock,
+            share: None,
+            token: "b",
+            lease: Duration::from_millis(60_000),
+        }
+        .call()
+        .invoke_async(&mut conn)
+        .await
+        .unwrap();
         assert_eq!(stranger, 0);
         let pttl: i64 = conn.pttl(lock).await.unwrap();
         assert!(pttl <= 1_000, "a stranger's extend changed nothing");
-        let owner: i64 = EXTEND
-            .key(lock)
-            .arg("a")
-            .arg(60_000)
-            .invoke_async(&mut conn)
-            .await
-            .unwrap();
+        let owner: i64 = Extend {
+            lock,
+            share: None,
+            token: "a",
+            lease: Duration::from_millis(60_000),
+        }
+        .call()
+        .invoke_async(&mut conn)
+        .await
+        .unwrap();
         assert_eq!(owner, 1);
         let pttl: i64 = conn.pttl(lock).await.unwrap();
         assert!(pttl > 50_000);
-        let shorter: i64 = EXTEND
-            .key(lock)
-            .arg("a")
-            .arg(1_000)
-            .invoke_async(&mut conn)
-            .await
-            .unwrap();
+        let shorter: i64 = Extend {
+            lock,
+            share: None,
+            token: "a",
+            lease: Duration::from_millis(1_000),
+        }
+        .call()
+        .invoke_async(&mut conn)
+        .await
+        .unwrap();
         assert_eq!(shorter, 1);
         let pttl: i64 = conn.pttl(lock).await.unwrap();
         assert!(pttl > 50_000, "extend never shortens a lease");
@@ -275,10 +593,12 @@ mod tests {
         let mut conn = connect(&server).await;
         acquire(&mut conn, "l{r1}", "a", "a", false, false).await;
         acquire(&mut conn, "l{r2}", "b", "b", false, false).await;
-        let mut call = RENEW.prepare_invoke();
-        call.key("l{r1}").key("l{r1}").arg("a").arg(60_000);
-        call.key("l{r2}").key("l{r2}").arg("not-b").arg(60_000);
-        call.key("l{r3}").key("l{r3}").arg("c").arg(60_000);
+        let minute = Duration::from_secs(60);
+        let call = renew([
+            ("l{r1}", None, "a", minute),
+            ("l{r2}", None, "not-b", minute),
+            ("l{r3}", None, "c", minute),
+        ]);
         let renewed: Vec<i64> = call.invoke_async(&mut conn).await.unwrap();
         assert_eq!(renewed, vec![1, 0, 0]);
         let pttl: i64 = conn.pttl("l{r1}").await.unwrap();
@@ -295,8 +615,14 @@ mod tests {
         let mut conn = connect(&server).await;
         let lock = "l{min}";
         acquire(&mut conn, lock, "a", "a", false, false).await;
-        let mut call = RELEASE.key(lock);
-        call.key("l{min}:wake").arg("a").arg("a").arg(5_000);
+        let call = Release {
+            lock,
+            wake: "l{min}:wake",
+            token: "a",
+            hold: "a",
+            keep: Duration::from_secs(5),
+        }
+        .call();
         let released: i64 = call.invoke_async(&mut conn).await.unwrap();
         assert_eq!(released, 1);
         let pttl: i64 = conn.pttl(lock).await.unwrap();

@@ -6,6 +6,7 @@ use std::time::Duration;
 use redis::RedisResult;
 
 use crate::scripts;
+pub(crate) use crate::scripts::millis;
 
 /// The answer to one acquire attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,9 +184,13 @@ impl AcquireCall<'_> {
                 // The lease must count from this attempt, as the caller's deadline will: the
                 // earlier send set it from then. Lengthened only if still this owner's.
                 Ok(Some(value)) if value == token => {
-                    let mut extend = scripts::EXTEND.key(&req.lock);
-                    extend.arg(&req.token).arg(millis(req.lease));
-                    let extended: i64 = extend.invoke_async(conn).await?;
+                    let extend = scripts::Extend {
+                        lock: &req.lock,
+                        share: None,
+                        token: &req.token,
+                        lease: req.lease,
+                    };
+                    let extended: i64 = extend.call().invoke_async(conn).await?;
                     Ok(if extended == 1 {
                         Attempt::Held { fence: 0 }
                     } else {
@@ -199,16 +204,17 @@ impl AcquireCall<'_> {
                     })
                 }
                 Err(error) if error.code() == Some("WRONGTYPE") => {
-                    let mut script = scripts::ACQUIRE.key(&req.lock);
-                    script
-                        .key(&req.fence)
-                        .arg(&req.token)
-                        .arg(millis(req.lease))
-                        .arg(flag(false))
-                        .arg(&req.hold)
-                        .arg(flag(req.reentrant))
-                        .arg(flag(true));
-                    let (held, value): (i64, i64) = script.invoke_async(conn).await?;
+                    let script = scripts::Acquire {
+                        lock: &req.lock,
+                        fence: &req.fence,
+                        token: &req.token,
+                        lease: req.lease,
+                        fencing: false,
+                        hold: &req.hold,
+                        reentrant: req.reentrant,
+                        after_set: true,
+                    };
+                    let (held, value): (i64, i64) = script.call().invoke_async(conn).await?;
                     Ok(attempt(held, value))
                 }
                 Err(error) => Err(error),
@@ -230,13 +236,4 @@ pub(super) fn attempt(held: i64, value: i64) -> Attempt {
             holder_ttl: u64::try_from(value).ok().map(Duration::from_millis),
         },
     }
-}
-
-pub(super) fn flag(on: bool) -> &'static str {
-    if on { "1" } else { "0" }
-}
-
-/// A lease in whole milliseconds, at least 1.
-pub(crate) fn millis(lease: Duration) -> u64 {
-    u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
 }

@@ -21,7 +21,7 @@ use crate::scripts;
 
 use super::hold::{
     AcquireCall, AcquireRequest, Attempt, FAIR_ENTRY_LEASE, FAIR_UNCLAIMED, FairRelease, HoldIds,
-    Renewal, Shape, flag, millis,
+    Renewal, Shape, millis,
 };
 use super::sentinel::Sentinel;
 use crate::security::Security;
@@ -497,66 +497,72 @@ impl Node {
                     .to_owned();
                 AcquireCall::Set { set, req }
             }
-            Shape::Fair { queue, join } => {
-                let mut call = scripts::FAIR.key(&req.lock);
-                call.key(&queue.queue)
-                    .key(&queue.leases)
-                    .key(&req.wake)
-                    .arg("take")
-                    .arg(&req.token)
-                    .arg(&queue.entry)
-                    .arg(&*self.pool.tag)
-                    .arg(millis(FAIR_UNCLAIMED))
-                    .arg(lease)
-                    .arg(millis(FAIR_ENTRY_LEASE))
-                    .arg(flag(*join));
-                AcquireCall::Script(call)
-            }
-            Shape::Exclusive => {
-                let mut call = scripts::ACQUIRE.key(&req.lock);
-                call.key(&req.fence)
-                    .arg(&req.token)
-                    .arg(lease)
-                    .arg(flag(req.fencing))
-                    .arg(&req.hold)
-                    .arg(flag(req.reentrant))
-                    .arg(flag(false));
-                AcquireCall::Script(call)
-            }
+            Shape::Fair { queue, join } => AcquireCall::Script(
+                scripts::Fair {
+                    lock: &req.lock,
+                    queue: &queue.queue,
+                    leases: &queue.leases,
+                    wake: &req.wake,
+                    token: &req.token,
+                    entry: &queue.entry,
+                    tag: &self.pool.tag,
+                    unclaimed: FAIR_UNCLAIMED,
+                    op: scripts::FairOp::Take {
+                        lease: req.lease,
+                        entry_lease: FAIR_ENTRY_LEASE,
+                        join: *join,
+                    },
+                }
+                .call(),
+            ),
+            Shape::Exclusive => AcquireCall::Script(
+                scripts::Acquire {
+                    lock: &req.lock,
+                    fence: &req.fence,
+                    token: &req.token,
+                    lease: req.lease,
+                    fencing: req.fencing,
+                    hold: &req.hold,
+                    reentrant: req.reentrant,
+                    after_set: false,
+                }
+                .call(),
+            ),
             Shape::Write {
                 intent,
                 intent_lease,
-            } => {
-                let mut call = scripts::WRITE_ACQUIRE.key(&req.lock);
-                call.key(&req.fence)
-                    .key(intent)
-                    .arg(&req.token)
-                    .arg(lease)
-                    .arg(flag(req.fencing))
-                    .arg(&req.hold)
-                    .arg(flag(req.reentrant))
-                    .arg(u64::try_from(intent_lease.as_millis()).unwrap_or(u64::MAX));
-                AcquireCall::Script(call)
-            }
+            } => AcquireCall::Script(
+                scripts::WriteAcquire {
+                    lock: &req.lock,
+                    fence: &req.fence,
+                    intent,
+                    token: &req.token,
+                    lease: req.lease,
+                    fencing: req.fencing,
+                    hold: &req.hold,
+                    reentrant: req.reentrant,
+                    intent_lease: *intent_lease,
+                }
+                .call(),
+            ),
             Shape::Share {
                 share,
                 intent,
                 permits,
-            } => {
-                let mut call = scripts::SHARE_ACQUIRE.key(&req.lock);
-                call.key(share)
-                    .key(intent)
-                    .key(&req.fence)
-                    .arg(&req.token)
-                    .arg(lease)
-                    .arg(&req.hold);
-                match permits {
-                    Some(permits) => call.arg(*permits),
-                    None => call.arg("read"),
-                };
-                call.arg(flag(req.fencing));
-                AcquireCall::Script(call)
-            }
+            } => AcquireCall::Script(
+                scripts::ShareAcquire {
+                    lock: &req.lock,
+                    share,
+                    intent,
+                    fence: &req.fence,
+                    token: &req.token,
+                    lease: req.lease,
+                    hold: &req.hold,
+                    permits: *permits,
+                    fencing: req.fencing,
+                }
+                .call(),
+            ),
         };
         if let Some(sync) = self.pool.sync_replicas {
             return self.acquire_replicated(req, &call, sync).await;
@@ -661,19 +667,22 @@ impl Node {
             return Ok(self.unlock(&mut conn, ids, keep, false).await?.is_some());
         }
         let call = match share {
-            Some(share) => {
-                let mut call = scripts::SHARE_RELEASE.key(lock);
-                call.key(share).key(wake).arg(token).arg(hold);
-                call
+            Some(share) => scripts::ShareRelease {
+                lock,
+                share,
+                wake,
+                token,
+                hold,
             }
-            None => {
-                let mut call = scripts::RELEASE.key(lock);
-                call.key(wake)
-                    .arg(token)
-                    .arg(hold)
-                    .arg(u64::try_from(keep.as_millis()).unwrap_or(u64::MAX));
-                call
+            .call(),
+            None => scripts::Release {
+                lock,
+                wake,
+                token,
+                hold,
+                keep,
             }
+            .call(),
         };
         let released: i64 = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
         Ok(released == 1)
@@ -686,15 +695,18 @@ impl Node {
             return Ok(FairRelease::NotHeld);
         };
         let mut conn = self.conn().await?;
-        let mut call = scripts::FAIR.key(&ids.lock);
-        call.key(&fair.queue)
-            .key(&fair.leases)
-            .key(&ids.wake)
-            .arg("release")
-            .arg(&ids.token)
-            .arg(&fair.entry)
-            .arg(&*self.pool.tag)
-            .arg(millis(FAIR_UNCLAIMED));
+        let call = scripts::Fair {
+            lock: &ids.lock,
+            queue: &fair.queue,
+            leases: &fair.leases,
+            wake: &ids.wake,
+            token: &ids.token,
+            entry: &fair.entry,
+            tag: &self.pool.tag,
+            unclaimed: FAIR_UNCLAIMED,
+            op: scripts::FairOp::Release,
+        }
+        .call();
         let bounds = conn.bounds();
         let (status, value): (i64, redis::Value) =
             self.watch(self.answer(bounds, call.invoke_async(&mut conn)).await)?;
@@ -752,11 +764,14 @@ impl Node {
             ),
         };
         let Some(delete) = delete else {
-            let mut call = scripts::UNLOCK.key(&ids.lock);
-            call.key(&ids.wake)
-                .arg(&ids.token)
-                .arg(u64::try_from(keep.as_millis()).unwrap_or(u64::MAX))
-                .arg(message);
+            let call = scripts::Unlock {
+                lock: &ids.lock,
+                wake: &ids.wake,
+                token: &ids.token,
+                keep,
+                message,
+            }
+            .call();
             let bounds = conn.bounds();
             let released: i64 = self.watch(self.answer(bounds, call.invoke_async(conn)).await)?;
             return Ok(u64::try_from(released - 1).ok());
@@ -815,8 +830,13 @@ impl Node {
         let mut conn = self.conn().await?;
         let bounds = conn.bounds();
         if self.delete() == NativeDelete::Script {
-            let mut call = scripts::HANDOFF.key(&ids.lock);
-            call.arg(&ids.token).arg(next).arg(millis(lease));
+            let call = scripts::HandOff {
+                lock: &ids.lock,
+                token: &ids.token,
+                next,
+                lease,
+            }
+            .call();
             let swapped: i64 =
                 self.watch(self.answer(bounds, call.invoke_async(&mut conn)).await)?;
             return Ok(swapped == 1);
@@ -850,11 +870,13 @@ impl Node {
         lease: Duration,
     ) -> RedisResult<bool> {
         let mut conn = self.conn().await?;
-        let mut call = scripts::EXTEND.key(lock);
-        if let Some(share) = share {
-            call.key(share);
+        let call = scripts::Extend {
+            lock,
+            share,
+            token,
+            lease,
         }
-        call.arg(token).arg(millis(lease));
+        .call();
         let extended: i64 = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
         Ok(extended == 1)
     }
@@ -887,13 +909,11 @@ impl Node {
     /// Renews leases that all live in one hash slot (any leases, off Cluster) in one call.
     async fn renew_together(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<bool>> {
         let mut conn = self.conn().await?;
-        let mut call = scripts::RENEW.prepare_invoke();
-        for item in items {
-            call.key(item.lock)
-                .key(item.share.unwrap_or(item.lock))
-                .arg(item.token)
-                .arg(millis(item.lease));
-        }
+        let call = scripts::renew(
+            items
+                .iter()
+                .map(|item| (item.lock, item.share, item.token, item.lease)),
+        );
         let renewed: Vec<i64> = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
         Ok(renewed.into_iter().map(|r| r == 1).collect())
     }

@@ -143,13 +143,14 @@ impl Node {
 
     /// One script call for locks that all live in one hash slot (any locks, off Cluster).
     async fn acquire_together(&self, req: &SetRequest) -> RedisResult<SetAttempt> {
-        let mut call = scripts::MULTI_ACQUIRE.prepare_invoke();
-        for key in &req.keys {
-            call.key(&key.lock).key(&key.fence);
-        }
-        call.arg(&req.token)
-            .arg(millis(req.lease))
-            .arg(if req.fencing { "1" } else { "0" });
+        let call = scripts::multi_acquire(
+            req.keys
+                .iter()
+                .map(|key| (key.lock.as_str(), key.fence.as_str())),
+            &req.token,
+            req.lease,
+            req.fencing,
+        );
         let Some((wanted, timeout)) = self.pool.sync_replicas else {
             let mut conn = self.conn().await?;
             let answer: Vec<i64> = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
@@ -199,11 +200,12 @@ impl Node {
 
     async fn release_together(&self, req: &SetRequest) -> RedisResult<Vec<bool>> {
         let mut conn = self.conn().await?;
-        let mut call = scripts::MULTI_RELEASE.prepare_invoke();
-        for key in &req.keys {
-            call.key(&key.lock).key(&key.wake);
-        }
-        call.arg(&req.token);
+        let call = scripts::multi_release(
+            req.keys
+                .iter()
+                .map(|key| (key.lock.as_str(), key.wake.as_str())),
+            &req.token,
+        );
         let released: Vec<i64> = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
         Ok(released.into_iter().map(|r| r == 1).collect())
     }
