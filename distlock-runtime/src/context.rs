@@ -35,8 +35,6 @@ tokio::task_local! {
 pub(crate) struct Held {
     /// Which manager (its shared state's address): the same key on two managers is two locks.
     pub(crate) manager: usize,
-    pub(crate) lock: String,
-    pub(crate) token: String,
     pub(crate) reentrant: bool,
     pub(crate) kind: Kind,
     /// What names the hold on the server, for the release of the last guard.
@@ -93,7 +91,7 @@ pub(crate) fn find(manager: usize, lock: &str) -> Option<Arc<Held>> {
             held.borrow()
                 .iter()
                 .filter_map(Weak::upgrade)
-                .find(|h| h.manager == manager && h.lock == lock)
+                .find(|h| h.manager == manager && h.ids.lock == lock)
         })
         .ok()
         .flatten()
@@ -106,7 +104,7 @@ pub(crate) fn count(manager: usize, lock: &str) -> usize {
             held.borrow()
                 .iter()
                 .filter_map(Weak::upgrade)
-                .filter(|h| h.manager == manager && h.lock == lock)
+                .filter(|h| h.manager == manager && h.ids.lock == lock)
                 .count()
         })
         .unwrap_or(0)

@@ -33,8 +33,6 @@ pub(crate) struct Acquired {
 pub(crate) struct Parts {
     pub(crate) manager: LockManager,
     pub(crate) keys: Keys,
-    pub(crate) token: String,
-    pub(crate) share: Option<String>,
     pub(crate) fence: Option<u64>,
     /// The lease of the hold on the server (shared with nested holds).
     pub(crate) lease: Arc<LeaseState>,
@@ -116,7 +114,7 @@ impl LockGuard {
     /// 64 counting). Nested reentrant holds share
     /// the outer hold's token.
     pub fn token(&self) -> &str {
-        &self.parts.token
+        &self.parts.held.ids.token
     }
 
     /// The fencing token drawn for this acquisition, when the request asked for one.
@@ -192,14 +190,15 @@ impl LockGuard {
 
     /// Asks Redis whether this owner still holds the lock.
     pub async fn is_held(&self) -> Result<bool, LockError> {
-        let (lock, token) = (self.parts.keys.lock.clone(), self.parts.token.clone());
-        let share = self.parts.share.clone();
+        let hold = self.ids();
         self.parts
             .manager
             .inner
-            .exec(
-                move |backend| async move { backend.holds(&lock, share.as_deref(), &token).await },
-            )
+            .exec(move |backend| async move {
+                backend
+                    .holds(&hold.lock, hold.share.as_deref(), &hold.token)
+                    .await
+            })
             .await?
             .map_err(|e| LockError::redis(self.key(), e))
     }
@@ -215,15 +214,16 @@ impl LockGuard {
         if self.given_back_by_shutdown() {
             return Err(LockError::ShutDown);
         }
-        let (lock, token) = (self.parts.keys.lock.clone(), self.parts.token.clone());
-        let share = self.parts.share.clone();
+        let hold = self.ids();
         let sent = Instant::now();
         let extended = self
             .parts
             .manager
             .inner
             .exec(move |backend| async move {
-                backend.extend(&lock, share.as_deref(), &token, ttl).await
+                backend
+                    .extend(&hold.lock, hold.share.as_deref(), &hold.token, ttl)
+                    .await
             })
             .await?
             .map_err(|e| LockError::redis(self.key(), e))?;
@@ -542,7 +542,7 @@ impl fmt::Debug for LockGuard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockGuard")
             .field("key", &self.parts.keys.name)
-            .field("token", &self.parts.token)
+            .field("token", &self.parts.held.ids.token)
             .field("fencing_token", &self.parts.fence)
             .field("remaining", &self.remaining())
             .field("watchdog", &self.parts.renewal.is_some())

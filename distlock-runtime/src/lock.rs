@@ -947,12 +947,9 @@ fn grant(
     let inner = &manager.inner;
     let lease = Arc::new(LeaseState::new(acquired.sent, plan.ttl));
     let ids = Arc::new(request.hold_ids());
-    let share = ids.share.clone();
     let renewal = plan.watchdog.then(|| {
         let target = Target {
-            lock: request.lock.clone(),
-            share: share.clone(),
-            token: request.token.clone(),
+            hold: ids.clone(),
             metrics: plan.metrics,
         };
         inner
@@ -961,8 +958,6 @@ fn grant(
     });
     let held = Arc::new(Held {
         manager: Arc::as_ptr(inner) as usize,
-        lock: request.lock,
-        token: request.token.clone(),
         reentrant: plan.reentrant,
         kind,
         ids,
@@ -977,8 +972,6 @@ fn grant(
     LockGuard::new(Parts {
         manager: manager.clone(),
         keys: plan.keys,
-        token: request.token,
-        share,
         fence: plan.fencing.then_some(fence),
         lease,
         acquired,
@@ -997,12 +990,9 @@ fn nested(manager: &LockManager, plan: Plan, held: Arc<Held>) -> LockGuard {
     let sent = Instant::now();
     held.enter(keep_until(sent, plan.min_hold));
     let lease = held.lease.clone();
-    let share = held.ids.share.clone();
     let renewal = plan.watchdog.then(|| {
         let target = Target {
-            lock: held.lock.clone(),
-            share: share.clone(),
-            token: held.token.clone(),
+            hold: held.ids.clone(),
             metrics: plan.metrics,
         };
         inner
@@ -1013,8 +1003,6 @@ fn nested(manager: &LockManager, plan: Plan, held: Arc<Held>) -> LockGuard {
     LockGuard::new(Parts {
         manager: manager.clone(),
         keys: plan.keys,
-        token: held.token.clone(),
-        share,
         fence: plan.fencing.then_some(held.fence),
         lease,
         acquired: Acquired {

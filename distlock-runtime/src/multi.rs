@@ -497,17 +497,19 @@ fn grant(
 ) -> MultiGuard {
     let inner = &manager.inner;
     let lease = Arc::new(LeaseState::new(acquired.sent, plan.ttl));
+    // One hold identity per lock, shared by its renewal, its context entry and its release.
+    let ids: Vec<Arc<HoldIds>> = request
+        .keys
+        .iter()
+        .map(|key| Arc::new(hold_ids(key, &request.token)))
+        .collect();
     // Every lease of the set shares one state: a renewal that finds any lock gone marks the
     // whole set lost.
     let renewals = if plan.watchdog && !fresh.is_empty() {
-        request
-            .keys
-            .iter()
-            .map(|key| {
+        ids.iter()
+            .map(|hold| {
                 let target = Target {
-                    lock: key.lock.clone(),
-                    share: None,
-                    token: request.token.clone(),
+                    hold: hold.clone(),
                     metrics: crate::metrics::Labels::new(plan.template, RequestKind::Exclusive),
                 };
                 inner
@@ -518,18 +520,15 @@ fn grant(
     } else {
         Vec::new()
     };
-    let held: Vec<Arc<Held>> = request
-        .keys
-        .iter()
+    let held: Vec<Arc<Held>> = ids
+        .into_iter()
         .zip(&fences)
-        .map(|(key, &fence)| {
+        .map(|(ids, &fence)| {
             Arc::new(Held {
                 manager: Arc::as_ptr(inner) as usize,
-                lock: key.lock.clone(),
-                token: request.token.clone(),
                 reentrant: plan.reentrant,
                 kind: Kind::Exclusive,
-                ids: Arc::new(hold_ids(key, &request.token)),
+                ids,
                 fence,
                 lease: lease.clone(),
                 guards: AtomicUsize::new(1),

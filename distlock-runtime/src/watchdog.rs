@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
-use crate::backend::Renewal;
+use crate::backend::{HoldIds, Renewal};
 use crate::lease::{LeaseState, saturating_add};
 use crate::manager::Inner;
 
@@ -55,9 +55,8 @@ fn nanos(d: Duration) -> u64 {
 /// What a renewal extends: the lock, the share's lease key for shares, and the owner token.
 #[derive(Debug)]
 pub(crate) struct Target {
-    pub(crate) lock: String,
-    pub(crate) share: Option<String>,
-    pub(crate) token: String,
+    /// The hold to renew: its lock, share and owner token.
+    pub(crate) hold: Arc<HoldIds>,
     pub(crate) metrics: crate::metrics::Labels,
 }
 
@@ -90,9 +89,7 @@ struct Leases {
 
 #[derive(Debug)]
 struct Lease {
-    lock: String,
-    share: Option<String>,
-    token: String,
+    hold: Arc<HoldIds>,
     ttl: Duration,
     state: Arc<LeaseState>,
     next_renewal: Instant,
@@ -136,16 +133,9 @@ impl Watchdog {
         max_hold: Option<Duration>,
     ) -> Registration {
         let ttl = state.ttl();
-        let Target {
-            lock,
-            share,
-            token,
-            metrics,
-        } = target;
+        let Target { hold, metrics } = target;
         let lease = Lease {
-            lock,
-            share,
-            token,
+            hold,
             ttl,
             state,
             next_renewal: saturating_add(acquired, ttl / 3),
@@ -178,9 +168,7 @@ impl Watchdog {
 /// One lease of a batch: what to send, and where to put the answer.
 struct Due {
     id: u64,
-    lock: String,
-    share: Option<String>,
-    token: String,
+    hold: Arc<HoldIds>,
     ttl: Duration,
     state: Arc<LeaseState>,
     metrics: crate::metrics::Labels,
@@ -224,7 +212,7 @@ fn collect_due(leases: &mut Leases) -> (Vec<Due>, Instant) {
     let mut next_wake = now + Duration::from_secs(3600);
     leases.by_id.retain(|&id, lease| {
         if lease.stop_at.is_some_and(|stop| now >= stop) {
-            tracing::debug!(lock = %lease.lock, "max_hold reached: renewal stops");
+            tracing::debug!(lock = %lease.hold.lock, "max_hold reached: renewal stops");
             return false;
         }
         if lease.state.is_lost() {
@@ -248,15 +236,13 @@ fn collect_due(leases: &mut Leases) -> (Vec<Due>, Instant) {
             if holder_alive {
                 due.push(Due {
                     id,
-                    lock: lease.lock.clone(),
-                    share: lease.share.clone(),
-                    token: lease.token.clone(),
+                    hold: lease.hold.clone(),
                     ttl: lease.ttl,
                     state: lease.state.clone(),
                     metrics: lease.metrics,
                 });
             } else {
-                tracing::warn!(lock = %lease.lock, "the holder's runtime did not answer: not renewing");
+                tracing::warn!(lock = %lease.hold.lock, "the holder's runtime did not answer: not renewing");
             }
         }
         // Wake for the next renewal, and at the local deadline to report an expiry.
@@ -272,9 +258,9 @@ async fn renew(shared: &Shared, inner: &Inner, due: Vec<Due>) {
         let items: Vec<Renewal<'_>> = batch
             .iter()
             .map(|d| Renewal {
-                lock: &d.lock,
-                share: d.share.as_deref(),
-                token: &d.token,
+                lock: &d.hold.lock,
+                share: d.hold.share.as_deref(),
+                token: &d.hold.token,
                 lease: d.ttl,
             })
             .collect();
@@ -289,7 +275,7 @@ async fn renew(shared: &Shared, inner: &Inner, due: Vec<Due>) {
                         crate::metrics::renewal(lease.metrics, crate::metrics::Renewal::Renewed);
                     } else if leases.by_id.remove(&lease.id).is_some() {
                         // (A lease released while its renewal was in flight is not lost.)
-                        tracing::warn!(lock = %lease.lock, renewed, "lease lost: renewal found another owner or no key, or came too late");
+                        tracing::warn!(lock = %lease.hold.lock, renewed, "lease lost: renewal found another owner or no key, or came too late");
                         shared.counters.lost.fetch_add(1, Ordering::Relaxed);
                         crate::metrics::renewal(lease.metrics, crate::metrics::Renewal::Lost);
                         lease.state.mark_lost();
