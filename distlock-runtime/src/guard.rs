@@ -267,7 +267,9 @@ impl LockGuard {
         // Sends the release again from the background if this future is dropped midway.
         let mut unanswered = Unanswered(Some((inner.clone(), self.ids(), keep_until)));
         if self.parts.held.ids.fair.is_some() {
-            let outcome = self.release_fair().await;
+            // Boxed, as the other paths off the plain one: their state stays out of this
+            // future, which the caller's task carries.
+            let outcome = Box::pin(self.release_fair()).await;
             unanswered.0 = None;
             return outcome;
         }
@@ -282,16 +284,16 @@ impl LockGuard {
             {
                 Next::Release => {}
                 Next::Yield => {
-                    let outcome = self.release_plain(false).await;
+                    let outcome = Box::pin(self.release_plain(false)).await;
                     unanswered.0 = None;
                     return outcome;
                 }
                 Next::Continue => {
-                    let outcome = self.release_plain(true).await;
+                    let outcome = Box::pin(self.release_plain(true)).await;
                     unanswered.0 = None;
                     return outcome;
                 }
-                Next::HandOff(offer) => match self.hand_off(offer).await? {
+                Next::HandOff(offer) => match Box::pin(self.hand_off(offer)).await? {
                     Some(outcome) => {
                         unanswered.0 = None;
                         return outcome;

@@ -442,7 +442,8 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
         reentrant: plan.reentrant,
     });
     if matches!(request.shape, Shape::Fair { .. }) {
-        return fair(manager, plan, request, kind, record).await;
+        // Boxed: its state stays out of the plain path's future.
+        return Box::pin(fair(manager, plan, request, kind, record)).await;
     }
     let started = Instant::now();
     let deadline = plan.wait.map(|wait| started + wait);

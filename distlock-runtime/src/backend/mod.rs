@@ -57,11 +57,13 @@ pub(crate) struct Capabilities {
     pub(crate) shared_kinds: bool,
 }
 
+/// Runs the arm of the backend's topology. The RedLock arm is boxed: its fan-out over the
+/// masters would otherwise make every caller's future as large as its own.
 macro_rules! each {
     ($self:ident, $node:ident => $one:expr, $masters:ident => $redlock:expr) => {
         match &$self.topology {
             Topology::One($node) => $one,
-            Topology::RedLock($masters) => $redlock,
+            Topology::RedLock($masters) => Box::pin(async move { $redlock }).await,
         }
     };
 }
@@ -133,7 +135,10 @@ impl Backend {
 
     /// Every endpoint: the one, or each RedLock master.
     fn nodes(&self) -> &[Node] {
-        each!(self, node => std::slice::from_ref(node), masters => &masters.nodes)
+        match &self.topology {
+            Topology::One(node) => std::slice::from_ref(node),
+            Topology::RedLock(masters) => &masters.nodes,
+        }
     }
 
     /// The node the inspector reads (the first master of a RedLock).

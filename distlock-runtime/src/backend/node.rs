@@ -565,7 +565,7 @@ impl Node {
             ),
         };
         if let Some(sync) = self.pool.sync_replicas {
-            return self.acquire_replicated(req, &call, sync).await;
+            return Box::pin(self.acquire_replicated(req, &call, sync)).await;
         }
         let bounds = conn.bounds();
         self.watch(self.answer(bounds, call.run(&mut conn, &req.token)).await)
