@@ -635,6 +635,83 @@ mod tests {
         let _: () = conn.del(lock).await.unwrap();
     }
 
+    /// One `fair.lua` call on lock `l{fair}` by owner `token` of manager `tag`.
+    async fn fair(
+        conn: &mut MultiplexedConnection,
+        token: &str,
+        tag: &str,
+        op: FairOp,
+    ) -> (i64, redis::Value) {
+        let entry = format!("{tag}:10000:{token}");
+        let call = Fair {
+            lock: "l{fair}",
+            queue: "l{fair}:queue",
+            leases: "l{fair}:queue:leases",
+            wake: "l{fair}:wake",
+            token,
+            entry: &entry,
+            tag,
+            unclaimed: Duration::from_secs(2),
+            op,
+        };
+        call.call().invoke_async(conn).await.unwrap()
+    }
+
+    fn take(join: bool) -> FairOp {
+        FairOp::Take {
+            lease: Duration::from_secs(10),
+            entry_lease: Duration::from_secs(3),
+            join,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_fair_release_grants_the_oldest_waiter_with_the_right_lease() {
+        let server = RedisServer::shared().unwrap();
+        let mut conn = connect(&server).await;
+        assert_eq!(fair(&mut conn, "a", "m1", take(true)).await.0, 1);
+        // Two waiters queue, of two managers; one that does not join stays out of the queue.
+        assert_eq!(fair(&mut conn, "b", "m2", take(true)).await.0, 0);
+        assert_eq!(fair(&mut conn, "c", "m1", take(true)).await.0, 0);
+        assert_eq!(fair(&mut conn, "d", "m1", take(false)).await.0, 0);
+        // Asking again renews an entry and keeps its place.
+        assert_eq!(fair(&mut conn, "b", "m2", take(true)).await.0, 0);
+        let queued: Vec<String> = conn.lrange("l{fair}:queue", 0, -1).await.unwrap();
+        assert_eq!(queued, ["m2:10000:b", "m1:10000:c"]);
+
+        // Released by a manager other than the head's: granted for the unclaimed window.
+        let (status, owner) = fair(&mut conn, "a", "m1", FairOp::Release).await;
+        assert_eq!(
+            (status, redis::from_redis_value::<String>(owner).unwrap()),
+            (2, "b".into())
+        );
+        let held: String = conn.get("l{fair}").await.unwrap();
+        assert_eq!(held, "b");
+        let pttl: i64 = conn.pttl("l{fair}").await.unwrap();
+        assert!(pttl <= 2_000, "{pttl}");
+        // Claimed: the whole lease.
+        assert_eq!(fair(&mut conn, "b", "m2", take(true)).await.0, 1);
+        let pttl: i64 = conn.pttl("l{fair}").await.unwrap();
+        assert!(pttl > 9_000, "{pttl}");
+
+        // Released by the head's own manager: granted with the head's whole lease at once.
+        let (status, owner) = fair(&mut conn, "b", "m1", FairOp::Release).await;
+        assert_eq!(
+            (status, redis::from_redis_value::<String>(owner).unwrap()),
+            (2, "c".into())
+        );
+        let pttl: i64 = conn.pttl("l{fair}").await.unwrap();
+        assert!(pttl > 9_000, "{pttl}");
+        // A resent release finds it gone; the last release frees the lock and the queue.
+        assert_eq!(fair(&mut conn, "b", "m1", FairOp::Release).await.0, 0);
+        assert_eq!(fair(&mut conn, "c", "m1", FairOp::Release).await.0, 1);
+        let left: i64 = conn
+            .exists(&["l{fair}", "l{fair}:queue", "l{fair}:queue:leases"])
+            .await
+            .unwrap();
+        assert_eq!(left, 0);
+    }
+
     #[tokio::test]
     async fn scripts_reload_after_a_flush() {
         // Its own server: a flush would race the other tests' scripts.
