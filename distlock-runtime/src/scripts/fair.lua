@@ -81,10 +81,11 @@ local function dequeue()
 end
 
 if op == 'release' then
-  dequeue()
+  -- A holder has no entry (taking the lock took it out): only a waiter giving up has one.
   if value == token then
     return release()
   end
+  dequeue()
   return {0, 0}
 end
 
@@ -109,10 +110,12 @@ if not value then
   grant_head()
 end
 if ARGV[8] == '1' then
-  if not redis.call('zscore', leases, entry) then
+  -- A new entry goes to the back; a queued one keeps its place, with its lease renewed.
+  if redis.call('zadd', leases, 'nx', now + entry_lease, entry) == 1 then
     redis.call('rpush', queue, entry)
+  else
+    redis.call('zadd', leases, 'xx', now + entry_lease, entry)
   end
-  redis.call('zadd', leases, now + entry_lease, entry)
   if redis.call('pttl', queue) < entry_lease then
     redis.call('pexpire', queue, entry_lease)
     redis.call('pexpire', leases, entry_lease)
