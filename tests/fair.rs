@@ -41,6 +41,11 @@ async fn queued(server: &RedisServer, prefix: &str, key: &str, len: usize) {
     }
 }
 
+/// Two managers on `server` under `prefix`, as two processes would have.
+async fn two_managers(server: &RedisServer, prefix: &str) -> (LockManager, LockManager) {
+    (manager(server, prefix).await, manager(server, prefix).await)
+}
+
 /// A fair waiter on `key` that notes its name in `entered` once inside, then releases.
 fn waiter(
     locks: &LockManager,
@@ -100,10 +105,7 @@ async fn waiters_enter_in_arrival_order_across_managers() {
 async fn a_release_grants_the_head_so_nobody_overtakes_it() {
     let server = shared_server();
     let prefix = unique_prefix("fair-grant");
-    let (a, b) = (
-        manager(&server, &prefix).await,
-        manager(&server, &prefix).await,
-    );
+    let (a, b) = two_managers(&server, &prefix).await;
     let holder = a.lock("k").fair(true).ttl(LONG).acquire().await.unwrap();
     let (done, finish) = tokio::sync::oneshot::channel::<()>();
     let head = tokio::spawn({
@@ -142,10 +144,7 @@ async fn a_release_grants_the_head_so_nobody_overtakes_it() {
 async fn cancelled_waiters_leave_the_queue_at_once() {
     let server = shared_server();
     let prefix = unique_prefix("fair-cancel");
-    let (a, b) = (
-        manager(&server, &prefix).await,
-        manager(&server, &prefix).await,
-    );
+    let (a, b) = two_managers(&server, &prefix).await;
     let holder = a.lock("k").fair(true).ttl(LONG).acquire().await.unwrap();
     let entered = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
@@ -186,10 +185,7 @@ async fn cancelled_waiters_leave_the_queue_at_once() {
 async fn a_waiter_cancelled_as_the_lock_is_granted_to_it_passes_it_on() {
     let server = shared_server();
     let prefix = unique_prefix("fair-cancel-grant");
-    let (a, b) = (
-        manager(&server, &prefix).await,
-        manager(&server, &prefix).await,
-    );
+    let (a, b) = two_managers(&server, &prefix).await;
     let seed = fastrand::u64(..);
     let mut rng = fastrand::Rng::with_seed(seed);
     for round in 0..30 {
