@@ -1,6 +1,5 @@
 //! `LockGuard`: proof of holding a lock, and the way to give it back.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -12,6 +11,7 @@ use tokio::sync::{oneshot, watch};
 use crate::LockError;
 use crate::backend::{FairRelease, HoldIds};
 use crate::context::Held;
+use crate::id_map::IdMap;
 use crate::key::Keys;
 use crate::lease::{LeaseState, saturating_add};
 use crate::lock::check_ttl;
@@ -174,7 +174,6 @@ impl LockGuard {
     /// ```
     pub async fn lost(&self) -> LockError {
         let lease = &self.parts.lease;
-        let mut marked = lease.subscribe();
         loop {
             if lease.is_lost() {
                 lease.mark_lost();
@@ -182,7 +181,7 @@ impl LockGuard {
             }
             let timer = self.parts.manager.inner.sleep_until(lease.valid_until());
             tokio::select! {
-                _ = marked.wait_for(|lost| *lost) => {}
+                () = lease.until_marked_lost() => {}
                 _ = timer => {}
             }
         }
@@ -421,8 +420,7 @@ impl LockGuard {
             ..
         } = offer;
         let next = Arc::new(HoldIds {
-            token: token.clone(),
-            hold: token,
+            token,
             ..(*ids).clone()
         });
         let sent = Instant::now();
@@ -616,8 +614,7 @@ pub(crate) fn hand_fair(inner: &Arc<Inner>, ids: &HoldIds, next: &str, sent: Ins
         .as_ref()
         .map(|queue| queue.for_owner(inner.waiters.tag(), offer.lease, &offer.token));
     let next = Arc::new(HoldIds {
-        token: offer.token.clone(),
-        hold: offer.token,
+        token: offer.token,
         fair,
         ..ids.clone()
     });
@@ -677,7 +674,7 @@ pub(crate) struct Holds {
 
 #[derive(Debug, Default)]
 struct Listed {
-    by_id: HashMap<u64, Live>,
+    by_id: IdMap<u64, Live>,
     next_id: u64,
 }
 

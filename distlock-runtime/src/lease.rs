@@ -1,9 +1,10 @@
 //! A lease as this process sees it, shared by a guard and the watchdog.
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
+use tokio::sync::Notify;
 
 /// Valid until a deadline on the monotonic clock, counted from when the request that set it
 /// was *sent*, minus a margin for clock drift between client and server (1 % of the lease
@@ -11,7 +12,10 @@ use tokio::sync::watch;
 #[derive(Debug)]
 pub(crate) struct LeaseState {
     times: Mutex<Times>,
-    lost: watch::Sender<bool>,
+    /// Marked lost; final.
+    lost: AtomicBool,
+    /// Wakes those waiting for the mark (nothing to allocate until someone waits).
+    marked: Notify,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -27,7 +31,8 @@ impl LeaseState {
                 ttl,
                 valid_until: deadline(sent, ttl),
             }),
-            lost: watch::Sender::new(false),
+            lost: AtomicBool::new(false),
+            marked: Notify::new(),
         }
     }
 
@@ -82,19 +87,28 @@ impl LeaseState {
         self.is_marked_lost() || Instant::now() >= self.valid_until()
     }
 
-    fn is_marked_lost(&self) -> bool {
-        *self.lost.borrow()
+    pub(crate) fn is_marked_lost(&self) -> bool {
+        self.lost.load(Ordering::Acquire)
     }
 
     /// Records that the lease is gone for good and wakes everyone waiting for that.
     pub(crate) fn mark_lost(&self) {
-        self.lost
-            .send_if_modified(|lost| !std::mem::replace(lost, true));
+        if !self.lost.swap(true, Ordering::AcqRel) {
+            self.marked.notify_waiters();
+        }
     }
 
-    /// A receiver that sees `true` once the lease is marked lost.
-    pub(crate) fn subscribe(&self) -> watch::Receiver<bool> {
-        self.lost.subscribe()
+    /// Completes once the lease is marked lost (not when its deadline passes: see
+    /// [`is_lost`](Self::is_lost)).
+    pub(crate) async fn until_marked_lost(&self) {
+        let notified = self.marked.notified();
+        tokio::pin!(notified);
+        // Registered before looking, so a mark in between is not missed.
+        notified.as_mut().enable();
+        if self.is_marked_lost() {
+            return;
+        }
+        notified.await;
     }
 }
 
@@ -129,10 +143,9 @@ mod tests {
     #[test]
     fn lost_is_final() {
         let lease = LeaseState::new(Instant::now(), Duration::from_secs(10));
-        let receiver = lease.subscribe();
         assert!(!lease.is_lost());
         lease.mark_lost();
-        assert!(lease.is_lost() && *receiver.borrow());
+        assert!(lease.is_lost() && lease.is_marked_lost());
         lease.renewed(Instant::now(), Duration::from_secs(60));
         assert!(lease.is_lost());
         assert_eq!(lease.remaining(), Duration::ZERO);
@@ -151,12 +164,11 @@ mod tests {
         // Sent before the deadline, answered after it: the lease was already lost here.
         let acquired = Instant::now() - Duration::from_secs(11);
         let lease = LeaseState::new(acquired, Duration::from_secs(10));
-        let receiver = lease.subscribe();
         assert!(lease.is_lost());
         lease.renewed(acquired + Duration::from_secs(9), Duration::from_secs(10));
         assert!(lease.is_lost(), "a late renewal revived a lost lease");
         assert!(
-            *receiver.borrow(),
+            lease.is_marked_lost(),
             "a late renewal must mark the lease lost"
         );
         assert_eq!(lease.remaining(), Duration::ZERO);
@@ -170,6 +182,21 @@ mod tests {
         lease.renewed(sent, Duration::from_secs(1));
         assert_eq!(lease.valid_until(), before);
         assert_eq!(lease.ttl(), Duration::from_secs(30));
+    }
+
+    #[tokio::test]
+    async fn a_waiter_hears_the_mark_once() {
+        let lease = std::sync::Arc::new(LeaseState::new(Instant::now(), Duration::from_secs(10)));
+        let waiter = tokio::spawn({
+            let lease = lease.clone();
+            async move { lease.until_marked_lost().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        lease.mark_lost();
+        waiter.await.unwrap();
+        // Already marked: completes at once.
+        lease.until_marked_lost().await;
     }
 
     #[test]

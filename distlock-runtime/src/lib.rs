@@ -30,6 +30,7 @@ mod driver;
 mod env;
 mod error;
 mod guard;
+mod id_map;
 pub mod inspect;
 mod key;
 mod lease;

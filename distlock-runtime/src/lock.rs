@@ -259,7 +259,7 @@ impl<'m> LockRequest<'m> {
     ///
     /// Cancel-safe: if this future is dropped while an attempt is in flight, a release for
     /// that attempt's token is sent right behind it, so no lock is left behind.
-    pub async fn acquire(self) -> Result<LockGuard, LockError> {
+    pub async fn acquire(mut self) -> Result<LockGuard, LockError> {
         let plan = self.plan()?;
         let holds = &self.manager.inner.holds;
         if holds.is_shut_down() {
@@ -293,9 +293,10 @@ impl<'m> LockRequest<'m> {
         }
     }
 
-    fn plan(&self) -> Result<Plan, LockError> {
+    /// Resolves and checks every option; the key moves into the plan.
+    fn plan(&mut self) -> Result<Plan, LockError> {
         let defaults = self.manager.defaults();
-        let keys = Keys::new(&self.manager.inner.prefix, self.key.clone())?;
+        let keys = Keys::new(&self.manager.inner.prefix, std::mem::take(&mut self.key))?;
         let ttl = self.ttl.unwrap_or(defaults.ttl);
         check_ttl(ttl).map_err(|reason| {
             LockError::invalid("ttl", format!("the lease of `{}` {reason}", keys.name))
@@ -433,9 +434,7 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
     let request = Arc::new(AcquireRequest {
         shape,
         lock: plan.keys.lock.clone(),
-        fence: plan.keys.fence(),
         wake: plan.keys.wake(),
-        hold: token.clone(),
         token,
         lease: plan.ttl,
         fencing: plan.fencing,
@@ -947,7 +946,7 @@ fn grant(
 ) -> LockGuard {
     let inner = &manager.inner;
     let lease = Arc::new(LeaseState::new(acquired.sent, plan.ttl));
-    let ids = Arc::new(request.hold_ids());
+    let ids = Arc::new(request.into_hold_ids());
     let renewal = plan.watchdog.then(|| {
         let target = Target {
             hold: ids.clone(),
@@ -1078,11 +1077,15 @@ fn shape_of(kind: RequestKind, plan: &Plan, token: &str, tag: &str) -> (Shape, K
 pub(crate) fn new_token() -> String {
     static PROCESS: LazyLock<u64> = LazyLock::new(|| uuid::Uuid::new_v4().as_u64_pair().0);
     static COUNT: AtomicU64 = AtomicU64::new(0);
-    format!(
-        "{:016x}{:016x}",
-        *PROCESS,
-        COUNT.fetch_add(1, Ordering::Relaxed)
-    )
+    let mut token = String::with_capacity(32);
+    for half in [*PROCESS, COUNT.fetch_add(1, Ordering::Relaxed)] {
+        // 16 hex digits each, most significant first (as `{:016x}` would write them).
+        for shift in (0..16).rev() {
+            let digit = ((half >> (shift * 4)) & 0xf) as u32;
+            token.push(char::from_digit(digit, 16).unwrap_or('0'));
+        }
+    }
+    token
 }
 
 /// Errors after which the same attempt may succeed if sent again.
@@ -1111,5 +1114,31 @@ impl Drop for InFlight<'_> {
             let ids = self.request.hold_ids();
             crate::guard::release_behind_acquire(&self.manager.inner, ids);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_32_hex_digits_and_never_repeat() {
+        let (a, b) = (new_token(), new_token());
+        for token in [&a, &b] {
+            assert_eq!(token.len(), 32, "{token}");
+            assert!(
+                token
+                    .bytes()
+                    .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+            );
+        }
+        // One process part, then a count that moved on.
+        assert_eq!(a[..16], b[..16]);
+        let count = |t: &str| u64::from_str_radix(&t[16..], 16).unwrap();
+        assert!(count(&b) > count(&a));
+        assert_eq!(
+            a[..16],
+            format!("{:016x}", u64::from_str_radix(&a[..16], 16).unwrap())
+        );
     }
 }

@@ -631,7 +631,6 @@ fn hold_ids(key: &SetKey, token: &str) -> HoldIds {
         lock: key.lock.clone(),
         wake: key.wake.clone(),
         token: token.to_owned(),
-        hold: token.to_owned(),
         share: None,
         plain: false,
         fair: None,
@@ -706,7 +705,6 @@ impl MultiGuard {
             if self.fresh.is_empty() {
                 return std::future::pending().await;
             }
-            let mut marked = self.lease.subscribe();
             loop {
                 if self.lease.is_lost() {
                     self.lease.mark_lost();
@@ -714,7 +712,7 @@ impl MultiGuard {
                 }
                 let timer = self.manager.inner.sleep_until(self.lease.valid_until());
                 tokio::select! {
-                    _ = marked.wait_for(|lost| *lost) => {}
+                    () = self.lease.until_marked_lost() => {}
                     _ = timer => {}
                 }
             }

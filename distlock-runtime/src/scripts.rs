@@ -282,6 +282,24 @@ impl Unlock<'_> {
             .arg(self.message);
         call
     }
+
+    /// The same call as one `EVALSHA` command, sized up front: the release of every plain
+    /// lock on a server without a native compare-and-delete. A server that lost the script
+    /// answers NOSCRIPT; [`call`](Self::call) loads it again.
+    pub(crate) fn command(&self) -> redis::Cmd {
+        let data = self.lock.len() + self.wake.len() + self.token.len() + self.message.len();
+        // The name, the 40-digit hash and the numbers take at most 80 bytes more.
+        let mut cmd = redis::Cmd::with_capacity(8, data + 80);
+        cmd.arg("EVALSHA")
+            .arg(UNLOCK.get_hash())
+            .arg(2)
+            .arg(self.lock)
+            .arg(self.wake)
+            .arg(self.token)
+            .arg(whole_millis(self.keep))
+            .arg(self.message);
+        cmd
+    }
 }
 
 /// A call of `handoff.lua`: a plain lock from `token` to `next`, with `lease`.

@@ -26,8 +26,8 @@ pub(crate) enum Attempt {
 pub(crate) struct HoldIds {
     pub(crate) lock: String,
     pub(crate) wake: String,
+    /// The owner token, which also names its hold in the scripts' hold counts.
     pub(crate) token: String,
-    pub(crate) hold: String,
     /// The share's lease key, for read locks and permits.
     pub(crate) share: Option<String>,
     /// The string form of a plain exclusive lock (value = token), not a hash.
@@ -122,10 +122,8 @@ pub(crate) enum Shape {
 pub(crate) struct AcquireRequest {
     pub(crate) shape: Shape,
     pub(crate) lock: String,
-    pub(crate) fence: String,
     pub(crate) wake: String,
     pub(crate) token: String,
-    pub(crate) hold: String,
     pub(crate) lease: Duration,
     pub(crate) fencing: bool,
     pub(crate) reentrant: bool,
@@ -134,23 +132,30 @@ pub(crate) struct AcquireRequest {
 impl AcquireRequest {
     /// What names this request's hold, for giving it back.
     pub(crate) fn hold_ids(&self) -> HoldIds {
-        let share = match &self.shape {
-            Shape::Share { share, .. } => Some(share.clone()),
-            Shape::Plain | Shape::Fair { .. } | Shape::Exclusive | Shape::Write { .. } => None,
-        };
-        let fair = match &self.shape {
-            Shape::Fair { queue, .. } => Some(queue.clone()),
-            _ => None,
+        self.clone().into_hold_ids()
+    }
+
+    /// The same, taking the request's own strings: what a granted request becomes.
+    pub(crate) fn into_hold_ids(self) -> HoldIds {
+        let plain = matches!(self.shape, Shape::Plain | Shape::Fair { .. });
+        let (share, fair) = match self.shape {
+            Shape::Share { share, .. } => (Some(share), None),
+            Shape::Fair { queue, .. } => (None, Some(queue)),
+            Shape::Plain | Shape::Exclusive | Shape::Write { .. } => (None, None),
         };
         HoldIds {
-            lock: self.lock.clone(),
-            wake: self.wake.clone(),
-            token: self.token.clone(),
-            hold: self.hold.clone(),
+            lock: self.lock,
+            wake: self.wake,
+            token: self.token,
             share,
-            plain: matches!(self.shape, Shape::Plain | Shape::Fair { .. }),
+            plain,
             fair,
         }
+    }
+
+    /// The lock's fencing counter, for the scripts that may draw from it.
+    pub(crate) fn fence(&self) -> String {
+        crate::key::fence_key(&self.lock)
     }
 }
 
@@ -206,11 +211,11 @@ impl AcquireCall<'_> {
                 Err(error) if error.code() == Some("WRONGTYPE") => {
                     let script = scripts::Acquire {
                         lock: &req.lock,
-                        fence: &req.fence,
+                        fence: &req.fence(),
                         token: &req.token,
                         lease: req.lease,
                         fencing: false,
-                        hold: &req.hold,
+                        hold: &req.token,
                         reentrant: req.reentrant,
                         after_set: true,
                     };

@@ -15,8 +15,12 @@ use tokio::runtime;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{AsyncConnectionConfig, Client, IntoConnectionInfo, RedisError, RedisResult};
+use redis::{
+    AsyncConnectionConfig, Client, ErrorKind, IntoConnectionInfo, RedisError, RedisResult,
+    ServerErrorKind,
+};
 
+use crate::id_map::IdMap;
 use crate::scripts;
 
 use super::hold::{
@@ -64,7 +68,7 @@ pub(super) struct Pool {
     pub(super) response_timeout: Duration,
     pub(super) connect_timeout: Duration,
     pub(super) sync_replicas: Option<(u32, Duration)>,
-    pub(super) by_runtime: RwLock<HashMap<runtime::Id, Conn>>,
+    pub(super) by_runtime: RwLock<IdMap<runtime::Id, Conn>>,
     /// With `sync_replicas`: idle connections of each runtime for a grant and its WAIT, which
     /// blocks the connection it runs on (and must run on the one that wrote the grant).
     pub(super) replicated: Mutex<HashMap<runtime::Id, Vec<MultiplexedConnection>>>,
@@ -185,7 +189,7 @@ impl Node {
                 response_timeout: options.response_timeout,
                 connect_timeout: options.connect_timeout,
                 sync_replicas: options.sync_replicas,
-                by_runtime: RwLock::new(HashMap::new()),
+                by_runtime: RwLock::new(IdMap::default()),
                 replicated: Mutex::new(HashMap::new()),
                 delete: Mutex::new(NativeDelete::Script),
                 security: options.security,
@@ -473,7 +477,7 @@ impl Node {
         known.get(&id).cloned()
     }
 
-    fn lock_conns(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<runtime::Id, Conn>> {
+    fn lock_conns(&self) -> std::sync::RwLockWriteGuard<'_, IdMap<runtime::Id, Conn>> {
         self.pool
             .by_runtime
             .write()
@@ -484,17 +488,17 @@ impl Node {
     pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
         let mut conn = self.conn().await?;
         let lease = millis(req.lease);
+        let fence = || req.fence();
         let call = match &req.shape {
             // One native command: set if absent; the value already there tells the rest.
             Shape::Plain => {
-                let set = redis::cmd("SET")
-                    .arg(&req.lock)
+                let mut set = command("SET", 7, req.lock.len() + req.token.len() + 32);
+                set.arg(&req.lock)
                     .arg(&req.token)
                     .arg("NX")
                     .arg("PX")
                     .arg(lease)
-                    .arg("GET")
-                    .to_owned();
+                    .arg("GET");
                 AcquireCall::Set { set, req }
             }
             Shape::Fair { queue, join } => AcquireCall::Script(
@@ -518,11 +522,11 @@ impl Node {
             Shape::Exclusive => AcquireCall::Script(
                 scripts::Acquire {
                     lock: &req.lock,
-                    fence: &req.fence,
+                    fence: &fence(),
                     token: &req.token,
                     lease: req.lease,
                     fencing: req.fencing,
-                    hold: &req.hold,
+                    hold: &req.token,
                     reentrant: req.reentrant,
                     after_set: false,
                 }
@@ -534,12 +538,12 @@ impl Node {
             } => AcquireCall::Script(
                 scripts::WriteAcquire {
                     lock: &req.lock,
-                    fence: &req.fence,
+                    fence: &fence(),
                     intent,
                     token: &req.token,
                     lease: req.lease,
                     fencing: req.fencing,
-                    hold: &req.hold,
+                    hold: &req.token,
                     reentrant: req.reentrant,
                     intent_lease: *intent_lease,
                 }
@@ -554,10 +558,10 @@ impl Node {
                     lock: &req.lock,
                     share,
                     intent,
-                    fence: &req.fence,
+                    fence: &fence(),
                     token: &req.token,
                     lease: req.lease,
-                    hold: &req.hold,
+                    hold: &req.token,
                     permits: *permits,
                     fencing: req.fencing,
                 }
@@ -654,7 +658,6 @@ impl Node {
             lock,
             wake,
             token,
-            hold,
             share,
             plain,
             fair,
@@ -672,14 +675,14 @@ impl Node {
                 share,
                 wake,
                 token,
-                hold,
+                hold: token,
             }
             .call(),
             None => scripts::Release {
                 lock,
                 wake,
                 token,
-                hold,
+                hold: token,
                 keep,
             }
             .call(),
@@ -747,44 +750,30 @@ impl Node {
             &*self.pool.tag
         };
         let delete = match self.delete() {
-            _ if !keep.is_zero() => None,
-            NativeDelete::Script => None,
-            NativeDelete::DelIfEq => Some(
-                redis::cmd("DELIFEQ")
-                    .arg(&ids.lock)
-                    .arg(&ids.token)
-                    .to_owned(),
-            ),
-            NativeDelete::DelEx => Some(
-                redis::cmd("DELEX")
-                    .arg(&ids.lock)
-                    .arg("IFEQ")
-                    .arg(&ids.token)
-                    .to_owned(),
-            ),
-        };
-        let Some(delete) = delete else {
-            let call = scripts::Unlock {
-                lock: &ids.lock,
-                wake: &ids.wake,
-                token: &ids.token,
-                keep,
-                message,
+            // One script: compare, delete (or leave the ownerless `min_hold` marker, which
+            // only the script can), publish.
+            NativeDelete::Script => return self.unlock_script(conn, ids, keep, message).await,
+            _ if !keep.is_zero() => return self.unlock_script(conn, ids, keep, message).await,
+            NativeDelete::DelIfEq => {
+                let mut delete = command("DELIFEQ", 2, ids.lock.len() + ids.token.len());
+                delete.arg(&ids.lock).arg(&ids.token);
+                delete
             }
-            .call();
-            let bounds = conn.bounds();
-            let released: i64 = self.watch(self.answer(bounds, call.invoke_async(conn)).await)?;
-            return Ok(u64::try_from(released - 1).ok());
+            NativeDelete::DelEx => {
+                let mut delete = command("DELEX", 3, ids.lock.len() + ids.token.len() + 4);
+                delete.arg(&ids.lock).arg("IFEQ").arg(&ids.token);
+                delete
+            }
         };
         // Both go out back to back on the multiplexed connection: one round trip. The wake-up
         // is sent whatever the delete finds; a waiter woken for nothing finds the lock busy
         // and waits again.
+        let mut publish = command("PUBLISH", 2, ids.wake.len() + message.len());
+        publish.arg(&ids.wake).arg(message);
         let mut both = redis::pipe();
         both.ignore_errors()
             .add_command(delete)
-            .cmd("PUBLISH")
-            .arg(&ids.wake)
-            .arg(message);
+            .add_command(publish);
         let answers = self
             .answer(
                 conn.bounds(),
@@ -816,6 +805,38 @@ impl Node {
             }
             Err(error) => self.watch(Err(error)),
         }
+    }
+
+    /// Gives back a plain lock with `unlock.lua`: compare, delete (or leave the `min_hold`
+    /// marker for `keep`), and publish `message`.
+    async fn unlock_script(
+        &self,
+        conn: &mut Conn,
+        ids: &HoldIds,
+        keep: Duration,
+        message: &str,
+    ) -> RedisResult<Option<u64>> {
+        let call = scripts::Unlock {
+            lock: &ids.lock,
+            wake: &ids.wake,
+            token: &ids.token,
+            keep,
+            message,
+        };
+        let bounds = conn.bounds();
+        let answer = self
+            .answer(bounds, call.command().query_async::<i64>(conn))
+            .await;
+        let released = match answer {
+            // The server lost its scripts (a restart, `SCRIPT FLUSH`): the invocation loads
+            // the script and sends the call again.
+            Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                self.answer(bounds, call.call().invoke_async(conn)).await
+            }
+            answer => answer,
+        };
+        let released = self.watch(released)?;
+        Ok(u64::try_from(released - 1).ok())
     }
 
     /// Passes the plain lock of `ids` to the owner `next` with `lease`, if `ids` still owns
@@ -973,6 +994,14 @@ impl Node {
             Bounds::Timer => self.bounded(op).await,
         }
     }
+}
+
+/// A command named `name` with room for `args` more arguments of `bytes` in all, so that
+/// adding them allocates nothing more: the commands of every plain lock are built this way.
+fn command(name: &str, args: usize, bytes: usize) -> redis::Cmd {
+    let mut cmd = redis::Cmd::with_capacity(args + 1, name.len() + bytes);
+    cmd.arg(name);
+    cmd
 }
 
 /// What a node knows about the server behind it.
