@@ -83,6 +83,36 @@ async fn a_release_wakes_the_waiter_long_before_its_fallback_timer() {
 }
 
 #[tokio::test]
+async fn a_release_after_the_server_lost_its_scripts_still_frees_and_wakes() {
+    // A server of its own: the flush must not reach other tests' scripts mid-call.
+    let server = RedisServer::start().unwrap();
+    let prefix = unique_prefix("noscript");
+    let holder = manager(&server, &prefix).await;
+    let waiter = manager(&server, &prefix).await;
+    let held = holder.lock("k").ttl(NEVER).acquire().await.unwrap();
+    let waiting = tokio::spawn(async move {
+        waiter
+            .lock("k")
+            .retry_delay(NEVER)
+            .retries(5)
+            .acquire()
+            .await
+    });
+    subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    // As after a restart with persistence, or `SCRIPT FLUSH`: every EVALSHA answers NOSCRIPT.
+    assert_eq!(server.command(&["SCRIPT", "FLUSH"]).unwrap(), "+OK");
+    held.release().await.unwrap();
+    // Its lease is a day long: only the release can have freed the key for the waiter.
+    let guard = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("woken by the release")
+        .unwrap()
+        .unwrap();
+    guard.release().await.unwrap();
+    assert!(keys(&server, &prefix).is_empty());
+}
+
+#[tokio::test]
 async fn an_expired_lock_is_taken_over_by_the_fallback_timer() {
     let server = shared_server();
     let prefix = unique_prefix("expiry");
