@@ -15,8 +15,16 @@ pub(crate) struct IdHasher(u64);
 impl Hasher for IdHasher {
     fn write(&mut self, bytes: &[u8]) {
         for &byte in bytes {
-            self.write_u64(self.0 ^ u64::from(byte));
+            self.write_u64(u64::from(byte));
         }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n));
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
     }
 
     fn write_u64(&mut self, n: u64) {
@@ -52,5 +60,30 @@ mod tests {
             "ids share their top bits: {}",
             top_bits.len()
         );
+    }
+
+    #[test]
+    fn other_key_types_spread_too() {
+        let distinct = |hashes: Vec<u64>| {
+            hashes
+                .into_iter()
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+        };
+        let hash = |write: &dyn Fn(&mut IdHasher)| {
+            let mut hasher = IdHasher::default();
+            write(&mut hasher);
+            hasher.finish()
+        };
+        let small: Vec<u64> = (0..1000usize)
+            .map(|n| hash(&|h| h.write_usize(n)))
+            .collect();
+        assert_eq!(distinct(small), 1000);
+        let words: Vec<u64> = (0..1000u32).map(|n| hash(&|h| h.write_u32(n))).collect();
+        assert_eq!(distinct(words), 1000);
+        let bytes: Vec<u64> = (0..1000u32)
+            .map(|n| hash(&|h| h.write(&n.to_le_bytes())))
+            .collect();
+        assert_eq!(distinct(bytes), 1000);
     }
 }

@@ -1077,13 +1077,12 @@ fn shape_of(kind: RequestKind, plan: &Plan, token: &str, tag: &str) -> (Shape, K
 pub(crate) fn new_token() -> String {
     static PROCESS: LazyLock<u64> = LazyLock::new(|| uuid::Uuid::new_v4().as_u64_pair().0);
     static COUNT: AtomicU64 = AtomicU64::new(0);
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut token = String::with_capacity(32);
     for half in [*PROCESS, COUNT.fetch_add(1, Ordering::Relaxed)] {
         // 16 hex digits each, most significant first (as `{:016x}` would write them).
-        for shift in (0..16).rev() {
-            let digit = ((half >> (shift * 4)) & 0xf) as u32;
-            token.push(char::from_digit(digit, 16).unwrap_or('0'));
-        }
+        let digit = |nibble: u32| char::from(HEX[(half >> (nibble * 4)) as usize & 0xf]);
+        token.extend((0..16).rev().map(digit));
     }
     token
 }

@@ -274,18 +274,10 @@ pub(crate) struct Unlock<'a> {
 }
 
 impl Unlock<'_> {
-    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
-        let mut call = UNLOCK.key(self.lock);
-        call.key(self.wake)
-            .arg(self.token)
-            .arg(whole_millis(self.keep))
-            .arg(self.message);
-        call
-    }
-
-    /// The same call as one `EVALSHA` command, sized up front: the release of every plain
-    /// lock on a server without a native compare-and-delete. A server that lost the script
-    /// answers NOSCRIPT; [`call`](Self::call) loads it again.
+    /// The call as one `EVALSHA` command, sized up front (a `ScriptInvocation` would copy
+    /// every argument once more): the release of every plain lock on a server without a
+    /// native compare-and-delete. A server that lost the script answers NOSCRIPT: load
+    /// [`UNLOCK`], then send the command again.
     pub(crate) fn command(&self) -> redis::Cmd {
         let data = self.lock.len() + self.wake.len() + self.token.len() + self.message.len();
         // The name, the 40-digit hash and the numbers take at most 80 bytes more.
@@ -481,6 +473,52 @@ mod tests {
             keep: Duration::ZERO,
         };
         call.call().invoke_async(conn).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn unlock_frees_only_its_owners_lock_and_counts_who_heard() {
+        let server = RedisServer::shared().unwrap();
+        let mut conn = connect(&server).await;
+        let (lock, wake) = ("l{unlock}", "l{unlock}:wake");
+        // The command is a bare EVALSHA: the script must be there (a manager loads it).
+        UNLOCK.load_async(&mut conn).await.unwrap();
+        let unlock = |token: &'static str, keep: Duration| {
+            Unlock {
+                lock,
+                wake,
+                token,
+                keep,
+                message: "tag",
+            }
+            .command()
+        };
+        let _: () = conn.set(lock, "a").await.unwrap();
+        // Another owner's token: nothing happens.
+        let released: i64 = unlock("b", Duration::ZERO)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(released, 0);
+        assert_eq!(conn.get::<_, String>(lock).await.unwrap(), "a");
+        // Its owner's: freed, and 1 + the number of subscribers told (none here).
+        let released: i64 = unlock("a", Duration::ZERO)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(released, 1);
+        assert!(!conn.exists::<_, bool>(lock).await.unwrap());
+        // With a `min_hold` still to run: the ownerless marker stays that long.
+        let _: () = conn.set(lock, "a").await.unwrap();
+        let released: i64 = unlock("a", Duration::from_secs(30))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(released, 1);
+        let mode: String = conn.hget(lock, "mode").await.unwrap();
+        assert_eq!(mode, "min_hold");
+        let pttl: i64 = conn.pttl(lock).await.unwrap();
+        assert!(pttl > 29_000 && pttl <= 30_000, "{pttl}");
+        let _: () = conn.del(lock).await.unwrap();
     }
 
     #[tokio::test]

@@ -457,7 +457,9 @@ impl Node {
         }
         let conn = match &self.pool.cluster {
             Some(cluster) => {
-                let connect = cluster.get_async_connection();
+                // Boxed: once per runtime, and its state would otherwise weigh on every
+                // operation's future.
+                let connect = Box::pin(cluster.get_async_connection());
                 Conn::Cluster(bounded(self.pool.connect_timeout * 3, connect).await?)
             }
             None => Conn::Single(ConnectionManager::new_lazy_with_config(
@@ -484,7 +486,7 @@ impl Node {
             .unwrap_or_else(|e| e.into_inner())
     }
 
-    /// One acquire attempt for hold `req.hold` of `req.token` on `req.lock`.
+    /// One acquire attempt for the hold of `req.token` on `req.lock`.
     pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
         let mut conn = self.conn().await?;
         let lease = millis(req.lease);
@@ -663,7 +665,7 @@ impl Node {
             fair,
         } = ids;
         if fair.is_some() {
-            return Ok(self.release_fair(ids).await? != FairRelease::NotHeld);
+            return Ok(Box::pin(self.release_fair(ids)).await? != FairRelease::NotHeld);
         }
         let mut conn = self.conn().await?;
         if *plain {
@@ -687,7 +689,9 @@ impl Node {
             }
             .call(),
         };
-        let released: i64 = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
+        // Boxed: the plain lock's release above carries none of this script call's state.
+        let released: i64 =
+            self.watch(Box::pin(self.bounded(call.invoke_async(&mut conn))).await)?;
         Ok(released == 1)
     }
 
@@ -824,14 +828,17 @@ impl Node {
             message,
         };
         let bounds = conn.bounds();
-        let answer = self
-            .answer(bounds, call.command().query_async::<i64>(conn))
-            .await;
+        let command = call.command();
+        let answer = self.answer(bounds, command.query_async::<i64>(conn)).await;
         let released = match answer {
-            // The server lost its scripts (a restart, `SCRIPT FLUSH`): the invocation loads
-            // the script and sends the call again.
+            // The server lost its scripts (a restart, `SCRIPT FLUSH`): load it, then the same
+            // call again. Boxed, as rare: its state stays out of every release's future.
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                self.answer(bounds, call.call().invoke_async(conn)).await
+                let again = async {
+                    scripts::UNLOCK.load_async(conn).await?;
+                    command.query_async::<i64>(conn).await
+                };
+                Box::pin(self.answer(bounds, again)).await
             }
             answer => answer,
         };
