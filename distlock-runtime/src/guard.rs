@@ -12,7 +12,6 @@ use crate::LockError;
 use crate::backend::{FairRelease, HoldIds};
 use crate::context::Held;
 use crate::id_map::IdMap;
-use crate::key::Keys;
 use crate::lease::{LeaseState, saturating_add};
 use crate::lock::check_ttl;
 use crate::manager::{Inner, LockManager};
@@ -32,7 +31,8 @@ pub(crate) struct Acquired {
 #[derive(Debug)]
 pub(crate) struct Parts {
     pub(crate) manager: LockManager,
-    pub(crate) keys: Keys,
+    /// The key as it was requested (without the manager's prefix).
+    pub(crate) name: String,
     pub(crate) fence: Option<u64>,
     /// The lease of the hold on the server (shared with nested holds).
     pub(crate) lease: Arc<LeaseState>,
@@ -107,7 +107,7 @@ impl LockGuard {
 
     /// The key as it was requested (without the manager's prefix).
     pub fn key(&self) -> &str {
-        &self.parts.keys.name
+        &self.parts.name
     }
 
     /// This acquisition's owner token: 128 bits in hex, unique to it (64 random per process,
@@ -460,7 +460,7 @@ impl LockGuard {
             return LockError::ShutDown;
         }
         LockError::Lost {
-            key: self.parts.keys.name.clone(),
+            key: self.parts.name.clone(),
         }
     }
 
@@ -541,7 +541,7 @@ impl Drop for Unanswered {
 impl fmt::Debug for LockGuard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockGuard")
-            .field("key", &self.parts.keys.name)
+            .field("key", &self.parts.name)
             .field("token", &self.parts.held.ids.token)
             .field("fencing_token", &self.parts.fence)
             .field("remaining", &self.remaining())

@@ -387,7 +387,11 @@ impl<'m> LockRequest<'m> {
     }
 }
 
-async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<LockGuard, LockError> {
+async fn acquire(
+    manager: &LockManager,
+    mut plan: Plan,
+    record: bool,
+) -> Result<LockGuard, LockError> {
     let inner = &manager.inner;
     let manager_id = Arc::as_ptr(inner) as usize;
     let outer = context::find(manager_id, &plan.keys.lock);
@@ -431,10 +435,13 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Lock
     }
     let token = new_token();
     let (shape, kind) = shape_of(plan.kind, &plan, &token, inner.waiters.tag());
+    // The lock key moves into the request (and on into the hold): nothing reads it from the
+    // plan from here on.
+    let wake = plan.keys.wake();
     let request = Arc::new(AcquireRequest {
         shape,
-        lock: plan.keys.lock.clone(),
-        wake: plan.keys.wake(),
+        lock: std::mem::take(&mut plan.keys.lock),
+        wake,
         token,
         lease: plan.ttl,
         fencing: plan.fencing,
@@ -971,7 +978,7 @@ fn grant(
     }
     LockGuard::new(Parts {
         manager: manager.clone(),
-        keys: plan.keys,
+        name: plan.keys.name,
         fence: plan.fencing.then_some(fence),
         lease,
         acquired,
@@ -1002,7 +1009,7 @@ fn nested(manager: &LockManager, plan: Plan, held: Arc<Held>) -> LockGuard {
     tracing::debug!("acquired a nested hold");
     LockGuard::new(Parts {
         manager: manager.clone(),
-        keys: plan.keys,
+        name: plan.keys.name,
         fence: plan.fencing.then_some(held.fence),
         lease,
         acquired: Acquired {
@@ -1078,13 +1085,14 @@ pub(crate) fn new_token() -> String {
     static PROCESS: LazyLock<u64> = LazyLock::new(|| uuid::Uuid::new_v4().as_u64_pair().0);
     static COUNT: AtomicU64 = AtomicU64::new(0);
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut token = String::with_capacity(32);
-    for half in [*PROCESS, COUNT.fetch_add(1, Ordering::Relaxed)] {
-        // 16 hex digits each, most significant first (as `{:016x}` would write them).
-        let digit = |nibble: u32| char::from(HEX[(half >> (nibble * 4)) as usize & 0xf]);
-        token.extend((0..16).rev().map(digit));
+    let mut digits = [0u8; 32];
+    let halves = [*PROCESS, COUNT.fetch_add(1, Ordering::Relaxed)];
+    // 16 hex digits a half, most significant first (as `{:016x}` would write them).
+    for (at, digit) in digits.iter_mut().enumerate() {
+        let nibble = halves[at / 16] >> (4 * (15 - at % 16));
+        *digit = HEX[nibble as usize & 0xf];
     }
-    token
+    String::from_utf8(digits.to_vec()).expect("hex digits are ASCII")
 }
 
 /// Errors after which the same attempt may succeed if sent again.
