@@ -312,6 +312,30 @@ impl Pair for Annotated {
     }
 }
 
+/// How long one workload runs before the next takes its turn (see [`in_turns`]).
+pub(crate) const TURN: Duration = Duration::from_millis(250);
+
+/// Runs `N` workloads for `run` each, in turns of about [`TURN`] (`turn(i, slice)` runs
+/// workload `i` for `slice` and returns its rate), and returns each one's mean rate.
+///
+/// On a machine whose load from elsewhere changes by the second, running each workload for
+/// the whole `run` in a row lets that change fall on one of them; taking turns spreads it
+/// over all of them alike, so their ratio holds still.
+pub(crate) async fn in_turns<const N: usize>(
+    run: Duration,
+    mut turn: impl AsyncFnMut(usize, Duration) -> f64,
+) -> [f64; N] {
+    let turns = (run.as_millis() / TURN.as_millis()).max(1) as u32;
+    let slice = run / turns;
+    let mut rates = [0.0; N];
+    for _ in 0..turns {
+        for (i, rate) in rates.iter_mut().enumerate() {
+            *rate += turn(i, slice).await / f64::from(turns);
+        }
+    }
+    rates
+}
+
 /// Acquire+release pairs per second by `tasks` tasks, each on its own key, for `run`.
 pub(crate) async fn uncontended<P: Pair>(locks: &P, tasks: usize, run: Duration) -> f64 {
     let stop = Arc::new(AtomicBool::new(false));

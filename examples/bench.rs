@@ -136,9 +136,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for tasks in [1, 16, 64] {
         let mut rows = Vec::new();
         for _ in 0..options.reps {
-            let raw_rate = harness::uncontended(&raw, tasks, run).await;
-            let manual = harness::uncontended(&Manual(locks.clone()), tasks, run).await;
-            let annotated = harness::uncontended(&Annotated(locks.clone()), tasks, run).await;
+            let [raw_rate, manual, annotated] =
+                harness::in_turns(run, async |workload, slice| match workload {
+                    0 => harness::uncontended(&raw, tasks, slice).await,
+                    1 => harness::uncontended(&Manual(locks.clone()), tasks, slice).await,
+                    _ => harness::uncontended(&Annotated(locks.clone()), tasks, slice).await,
+                })
+                .await;
             rows.push((raw_rate, manual, annotated));
         }
         let median =

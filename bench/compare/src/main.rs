@@ -100,13 +100,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut rates: Vec<Vec<Rates>> = vec![Vec::new(); concurrency.len()];
     for _ in 0..reps {
         for (i, &tasks) in concurrency.iter().enumerate() {
+            let [raw, manual, annotated, rslock, redlock, rslock_redlock] =
+                harness::in_turns(run, async |workload, slice| match workload {
+                    0 => harness::uncontended(&raw, tasks, slice).await,
+                    1 => harness::uncontended(&Manual(locks.clone()), tasks, slice).await,
+                    2 => harness::uncontended(&Annotated(locks.clone()), tasks, slice).await,
+                    3 => harness::uncontended(&rslock, tasks, slice).await,
+                    4 => harness::uncontended(&Manual(redlock.clone()), tasks, slice).await,
+                    _ => harness::uncontended(&rslock_redlock, tasks, slice).await,
+                })
+                .await;
             rates[i].push(Rates {
-                raw: harness::uncontended(&raw, tasks, run).await,
-                manual: harness::uncontended(&Manual(locks.clone()), tasks, run).await,
-                annotated: harness::uncontended(&Annotated(locks.clone()), tasks, run).await,
-                rslock: harness::uncontended(&rslock, tasks, run).await,
-                redlock: harness::uncontended(&Manual(redlock.clone()), tasks, run).await,
-                rslock_redlock: harness::uncontended(&rslock_redlock, tasks, run).await,
+                raw,
+                manual,
+                annotated,
+                rslock,
+                redlock,
+                rslock_redlock,
             });
         }
     }
