@@ -49,16 +49,20 @@ async fn subscribed(server: &RedisServer, channel: &str) {
     }
 }
 
-#[tokio::test]
-async fn a_release_wakes_the_waiter_long_before_its_fallback_timer() {
-    let server = shared_server();
-    let prefix = unique_prefix("wake");
-    let holder = manager(&server, &prefix).await;
-    let waiter = manager(&server, &prefix).await;
+/// Key `k` held for a day by one manager, and a request of another manager waiting for it,
+/// subscribed to its wake channel. The waiter's fallback timer would fire at a random point
+/// of a day: only a wake-up gets it in soon.
+async fn held_and_waited_for(
+    server: &RedisServer,
+    prefix: &str,
+) -> (
+    distlock::LockGuard,
+    tokio::task::JoinHandle<Result<distlock::LockGuard, LockError>>,
+) {
+    let holder = manager(server, prefix).await;
+    let waiter = manager(server, prefix).await;
     let held = holder.lock("k").ttl(NEVER).acquire().await.unwrap();
-
     let waiting = tokio::spawn(async move {
-        // Its fallback timer would fire at a random point of a day: only a wake-up is fast.
         waiter
             .lock("k")
             .retry_delay(NEVER)
@@ -66,7 +70,15 @@ async fn a_release_wakes_the_waiter_long_before_its_fallback_timer() {
             .acquire()
             .await
     });
-    subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    subscribed(server, &format!("{prefix}{{k}}:wake")).await;
+    (held, waiting)
+}
+
+#[tokio::test]
+async fn a_release_wakes_the_waiter_long_before_its_fallback_timer() {
+    let server = shared_server();
+    let prefix = unique_prefix("wake");
+    let (held, waiting) = held_and_waited_for(&server, &prefix).await;
     held.release().await.unwrap();
     let guard = tokio::time::timeout(Duration::from_secs(10), waiting)
         .await
@@ -87,18 +99,7 @@ async fn a_release_after_the_server_lost_its_scripts_still_frees_and_wakes() {
     // A server of its own: the flush must not reach other tests' scripts mid-call.
     let server = RedisServer::start().unwrap();
     let prefix = unique_prefix("noscript");
-    let holder = manager(&server, &prefix).await;
-    let waiter = manager(&server, &prefix).await;
-    let held = holder.lock("k").ttl(NEVER).acquire().await.unwrap();
-    let waiting = tokio::spawn(async move {
-        waiter
-            .lock("k")
-            .retry_delay(NEVER)
-            .retries(5)
-            .acquire()
-            .await
-    });
-    subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    let (held, waiting) = held_and_waited_for(&server, &prefix).await;
     // As after a restart with persistence, or `SCRIPT FLUSH`: every EVALSHA answers NOSCRIPT.
     assert_eq!(server.command(&["SCRIPT", "FLUSH"]).unwrap(), "+OK");
     held.release().await.unwrap();
