@@ -135,11 +135,13 @@ impl RedLock {
     /// leaves the slower nodes' releases to finish in the background: one frozen master does
     /// not hold up the release (its copy of the lock ends with its lease otherwise).
     pub(crate) async fn release(&self, ids: &HoldIds, keep: Duration) -> RedisResult<bool> {
+        // One copy of the ids for all masters (the stragglers may outlive the caller).
+        let shared = Arc::new(ids.clone());
         let mut pending: FuturesUnordered<_> = self
             .nodes
             .iter()
             .map(|node| {
-                let (node, ids) = (node.clone(), ids.clone());
+                let (node, ids) = (node.clone(), shared.clone());
                 async move { node.release(&ids, keep).await }
             })
             .collect();
