@@ -194,6 +194,10 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 
 /// One uncontended acquire+release, on a key no one else uses.
 pub(crate) trait Pair: Clone + Send + Sync + 'static {
+    /// What this workload's keys start with: workloads that write unprefixed keys on one
+    /// server keep apart, so that a key one of them left behind never trips another.
+    const KEYS: &'static str = "u";
+
     /// Takes `key` and gives it back.
     fn pair(&mut self, key: &str) -> impl Future<Output = ()> + Send;
 }
@@ -315,26 +319,32 @@ impl Pair for Annotated {
 /// How long one workload runs before the next takes its turn (see [`in_turns`]).
 pub(crate) const TURN: Duration = Duration::from_millis(250);
 
-/// Runs `N` workloads for `run` each, in turns of about [`TURN`] (`turn(i, slice)` runs
-/// workload `i` for `slice` and returns its rate), and returns each one's mean rate.
+/// Runs `N` workloads for `run` each, in turns of about [`TURN`] (at least [`MIN_TURNS`] of
+/// them, however short the run), and returns each one's mean rate. `turn(i, slice)` runs
+/// workload `i` for `slice` and returns its rate.
 ///
 /// On a machine whose load from elsewhere changes by the second, running each workload for
 /// the whole `run` in a row lets that change fall on one of them; taking turns spreads it
-/// over all of them alike, so their ratio holds still.
+/// over all of them alike, so their ratio holds still. Each turn starts with the next
+/// workload, so that none always runs first or always after the same one.
 pub(crate) async fn in_turns<const N: usize>(
     run: Duration,
     mut turn: impl AsyncFnMut(usize, Duration) -> f64,
 ) -> [f64; N] {
-    let turns = (run.as_millis() / TURN.as_millis()).max(1) as u32;
+    let turns = (run.as_millis() / TURN.as_millis()).max(MIN_TURNS) as u32;
     let slice = run / turns;
     let mut rates = [0.0; N];
-    for _ in 0..turns {
-        for (i, rate) in rates.iter_mut().enumerate() {
-            *rate += turn(i, slice).await / f64::from(turns);
+    for t in 0..turns as usize {
+        for k in 0..N {
+            let i = (t + k) % N;
+            rates[i] += turn(i, slice).await / f64::from(turns);
         }
     }
     rates
 }
+
+/// The fewest turns [`in_turns`] takes.
+pub(crate) const MIN_TURNS: u128 = 4;
 
 /// Acquire+release pairs per second by `tasks` tasks, each on its own key, for `run`.
 pub(crate) async fn uncontended<P: Pair>(locks: &P, tasks: usize, run: Duration) -> f64 {
@@ -343,7 +353,7 @@ pub(crate) async fn uncontended<P: Pair>(locks: &P, tasks: usize, run: Duration)
     for t in 0..tasks {
         let (mut locks, stop) = (locks.clone(), stop.clone());
         set.spawn(async move {
-            let key = format!("u:{t}");
+            let key = format!("{}:{t}", P::KEYS);
             let mut pairs = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 locks.pair(&key).await;

@@ -3,7 +3,10 @@
 //! Run it with `cargo run --release --example bench` (add `-- --quick` for a short run,
 //! `-- --reps 5` for medians of five runs of the uncontended rows, `-- --server valkey` or
 //! `-- --server /path/to/valkey-server` to measure another server, or `-- --soak 1000000` to
-//! check that a million cycles leave nothing behind). It starts its own `redis-server` (on
+//! check that a million cycles leave nothing behind, or `-- --only manual 1` to run one
+//! uncontended workload — `raw`, `manual` or `annotated` — with that many tasks for the row's
+//! time, alone, for a profiler such as `valgrind --tool=callgrind`). It starts its own
+//! `redis-server` (on
 //! `PATH` unless `--server` or `DISTLOCK_REDIS_SERVER` names another) and prints one table.
 //! The comparison with rslock lives in `bench/compare`, outside the workspace.
 
@@ -117,6 +120,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let raw = Raw(redis::Client::open(url.as_str())?
         .get_multiplexed_async_connection()
         .await?);
+    if let Some(at) = args.iter().position(|a| a == "--only") {
+        let usage = "--only takes a workload and a number of tasks, such as `--only manual 1`";
+        let workload = args.get(at + 1).ok_or(usage)?;
+        let tasks: usize = args
+            .get(at + 2)
+            .and_then(|n| n.parse().ok())
+            .filter(|&n| n > 0)
+            .ok_or(usage)?;
+        let rate = match workload.as_str() {
+            "raw" => harness::uncontended(&raw, tasks, run).await,
+            "manual" => harness::uncontended(&Manual(locks.clone()), tasks, run).await,
+            "annotated" => harness::uncontended(&Annotated(locks.clone()), tasks, run).await,
+            _ => return Err(usage.into()),
+        };
+        println!("{workload}, {tasks} tasks, {run:?}: {rate:.0} pairs/s");
+        return Ok(());
+    }
     let memory_before = used_memory(&server);
 
     println!(

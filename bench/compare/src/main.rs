@@ -23,6 +23,9 @@ use harness::{Annotated, Commands, Contend, Contended, Manual, Pair, Raw, TTL};
 struct Rslock(rslock::LockManager);
 
 impl Pair for Rslock {
+    // The raw baseline's keys are `u:…` on the same server.
+    const KEYS: &'static str = "r";
+
     async fn pair(&mut self, key: &str) {
         let lock = self.0.lock(key, TTL).await.expect("rslock lock");
         self.0.unlock(&lock).await;
