@@ -48,8 +48,8 @@ pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
 
 /// Give back a plain exclusive lock (string form) if the token still owns it: 1 released,
 /// 0 not held. Used where the server has no native compare-and-delete, or with `min_hold`.
-pub(crate) static UNLOCK: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("scripts/unlock.lua")));
+pub(crate) static UNLOCK: LazyLock<Script> = LazyLock::new(|| Script::new(UNLOCK_LUA));
+const UNLOCK_LUA: &str = include_str!("scripts/unlock.lua");
 
 /// Pass a plain exclusive lock from its owner to the next one: 1 handed over, 0 not held.
 /// Used where the server has no conditional `SET … IFEQ`.
@@ -276,14 +276,25 @@ pub(crate) struct Unlock<'a> {
 impl Unlock<'_> {
     /// The call as one `EVALSHA` command, sized up front (a `ScriptInvocation` would copy
     /// every argument once more): the release of every plain lock on a server without a
-    /// native compare-and-delete. A server that lost the script answers NOSCRIPT: load
-    /// [`UNLOCK`], then send the command again.
+    /// native compare-and-delete. A server that lost the script answers NOSCRIPT: send
+    /// [`eval_command`](Self::eval_command) instead.
     pub(crate) fn command(&self) -> redis::Cmd {
+        self.build("EVALSHA", UNLOCK.get_hash())
+    }
+
+    /// The same call with the script's text (`EVAL`), for a server that lost the script: one
+    /// round trip to the node that owns the key, which keeps the script for the next
+    /// `EVALSHA` (unlike `SCRIPT LOAD`, which a Cluster connection sends to every node).
+    pub(crate) fn eval_command(&self) -> redis::Cmd {
+        self.build("EVAL", UNLOCK_LUA)
+    }
+
+    fn build(&self, verb: &str, script: &str) -> redis::Cmd {
         let data = self.lock.len() + self.wake.len() + self.token.len() + self.message.len();
-        // The name, the 40-digit hash and the numbers take at most 80 bytes more.
-        let mut cmd = redis::Cmd::with_capacity(8, data + 80);
-        cmd.arg("EVALSHA")
-            .arg(UNLOCK.get_hash())
+        // The verb and the numbers take at most 40 bytes more.
+        let mut cmd = redis::Cmd::with_capacity(8, data + script.len() + 40);
+        cmd.arg(verb)
+            .arg(script)
             .arg(2)
             .arg(self.lock)
             .arg(self.wake)
@@ -477,11 +488,31 @@ mod tests {
 
     #[tokio::test]
     async fn unlock_frees_only_its_owners_lock_and_counts_who_heard() {
-        let server = RedisServer::shared().unwrap();
+        // A server of its own: it flushes the script cache.
+        let server = RedisServer::start().unwrap();
         let mut conn = connect(&server).await;
         let (lock, wake) = ("l{unlock}", "l{unlock}:wake");
-        // The command is a bare EVALSHA: the script must be there (a manager loads it).
-        UNLOCK.load_async(&mut conn).await.unwrap();
+        let flushed: String = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(flushed, "OK");
+        let bare = Unlock {
+            lock,
+            wake,
+            token: "a",
+            keep: Duration::ZERO,
+            message: "tag",
+        };
+        // A bare EVALSHA finds no script; the EVAL form runs it and leaves it for the next.
+        let missing = bare.command().query_async::<i64>(&mut conn).await;
+        assert_eq!(
+            missing.unwrap_err().kind(),
+            redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+        );
+        let released: i64 = bare.eval_command().query_async(&mut conn).await.unwrap();
+        assert_eq!(released, 0, "nothing was held");
         let unlock = |token: &'static str, keep: Duration| {
             Unlock {
                 lock,

@@ -831,14 +831,12 @@ impl Node {
         let command = call.command();
         let answer = self.answer(bounds, command.query_async::<i64>(conn)).await;
         let released = match answer {
-            // The server lost its scripts (a restart, `SCRIPT FLUSH`): load it, then the same
-            // call again. Boxed, as rare: its state stays out of every release's future.
+            // The server lost its scripts (a restart, `SCRIPT FLUSH`): the same call with the
+            // script's text, which the server keeps for the next one. Boxed, as rare: its
+            // state stays out of every release's future.
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                let again = async {
-                    scripts::UNLOCK.load_async(conn).await?;
-                    command.query_async::<i64>(conn).await
-                };
-                Box::pin(self.answer(bounds, again)).await
+                let again = call.eval_command();
+                Box::pin(self.answer(bounds, again.query_async::<i64>(conn))).await
             }
             answer => answer,
         };
