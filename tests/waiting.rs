@@ -74,17 +74,25 @@ async fn held_and_waited_for(
     (held, waiting)
 }
 
+/// The waiter's guard, once a wake-up has let it in: within 10 s, where its fallback timer
+/// would take hours.
+async fn woken(
+    waiting: tokio::task::JoinHandle<Result<distlock::LockGuard, LockError>>,
+) -> distlock::LockGuard {
+    tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("woken by the release")
+        .unwrap()
+        .unwrap()
+}
+
 #[tokio::test]
 async fn a_release_wakes_the_waiter_long_before_its_fallback_timer() {
     let server = shared_server();
     let prefix = unique_prefix("wake");
     let (held, waiting) = held_and_waited_for(&server, &prefix).await;
     held.release().await.unwrap();
-    let guard = tokio::time::timeout(Duration::from_secs(10), waiting)
-        .await
-        .expect("woken by the release")
-        .unwrap()
-        .unwrap();
+    let guard = woken(waiting).await;
     assert!(
         guard.attempts() >= 2,
         "it waited: {} attempts",
@@ -104,11 +112,7 @@ async fn a_release_after_the_server_lost_its_scripts_still_frees_and_wakes() {
     assert_eq!(server.command(&["SCRIPT", "FLUSH"]).unwrap(), "+OK");
     held.release().await.unwrap();
     // Its lease is a day long: only the release can have freed the key for the waiter.
-    let guard = tokio::time::timeout(Duration::from_secs(10), waiting)
-        .await
-        .expect("woken by the release")
-        .unwrap()
-        .unwrap();
+    let guard = woken(waiting).await;
     guard.release().await.unwrap();
     assert!(keys(&server, &prefix).is_empty());
 }
