@@ -267,13 +267,12 @@ impl<'m> LockRequest<'m> {
         }
         let span =
             tracing::debug_span!("lock.acquire", template = plan.template, key = %plan.keys.name);
-        // Boxed: the acquire loop is a large state machine, and callers nest it in their own
-        // futures (sibling branches of `join!`, annotated calls inside annotated calls); kept
-        // inline it multiplies their size and, in debug builds, their stack use.
         let (labels, timer) = (plan.metrics, crate::metrics::Timer::start());
         // Shutdown ends the waits inside (an attempt in flight is bounded by the response
         // timeout): racing it here would register every acquisition with the shutdown signal.
-        let result = Box::pin(acquire(self.manager, plan, self.record).instrument(span)).await;
+        let result = acquire(self.manager, plan, self.record)
+            .instrument(span)
+            .await;
         let result = match result {
             // Dropping it gives it back.
             Ok(guard) if guard.came_after_shutdown() => Err(LockError::ShutDown),
@@ -452,11 +451,81 @@ async fn acquire(
         return Box::pin(fair(manager, plan, request, kind, record)).await;
     }
     let started = Instant::now();
-    let deadline = plan.wait.map(|wait| started + wait);
+    // A request that may wait queues behind local waiters instead of overtaking them (see
+    // `wait`). Any other makes its first attempt here: most find the lock free, and their
+    // future need not carry the waiting loop's state.
+    let shares = matches!(plan.kind, RequestKind::Read | RequestKind::Permits(_));
+    if plan.retries > 0 && !shares && inner.waiters.has_waiters(&request.wake) {
+        return Box::pin(wait(manager, plan, request, kind, record, started, None)).await;
+    }
     let mut in_flight = InFlight {
         manager,
         request: &request,
         maybe_held: false,
+    };
+    // Inline, not boxed: a box this size costs the allocator's slow path on every lock
+    // (about 5 % of the client's work per lock). The waiting loop, several times larger,
+    // stays boxed, out of the futures of the callers that nest this one.
+    let (sent, outcome) = send_attempt(manager, &plan, &request, &mut in_flight).await?;
+    if let Ok(Attempt::Held { fence }) = outcome {
+        in_flight.maybe_held = false;
+        drop(in_flight);
+        crate::metrics::handed_over(plan.metrics, false);
+        let acquired = Acquired {
+            attempts: 1,
+            waited: started.elapsed(),
+            sent,
+        };
+        tracing::debug!(attempts = 1, waited = ?acquired.waited, "acquired");
+        let request = Arc::unwrap_or_clone(request);
+        return Ok(grant(manager, plan, request, kind, fence, acquired, record));
+    }
+    // The loop takes over the attempt's answer, and its cover if it may have been granted.
+    let maybe_held = std::mem::replace(&mut in_flight.maybe_held, false);
+    drop(in_flight);
+    let first = First {
+        sent,
+        outcome,
+        maybe_held,
+    };
+    Box::pin(wait(
+        manager,
+        plan,
+        request,
+        kind,
+        record,
+        started,
+        Some(first),
+    ))
+    .await
+}
+
+/// The answer to a first attempt made before the waiting loop.
+struct First {
+    sent: Instant,
+    outcome: redis::RedisResult<Attempt>,
+    /// The attempt may have been granted (its answer was lost): it is covered until settled.
+    maybe_held: bool,
+}
+
+/// The acquire loop of every request but a fair one: attempts, waits for a release (or a
+/// hand-off, or a timer), and attempts again, within the request's bounds. `first` is the
+/// answer to an attempt already made.
+async fn wait(
+    manager: &LockManager,
+    plan: Plan,
+    request: Arc<AcquireRequest>,
+    kind: Kind,
+    record: bool,
+    started: Instant,
+    mut first: Option<First>,
+) -> Result<LockGuard, LockError> {
+    let inner = &manager.inner;
+    let deadline = plan.wait.map(|wait| started + wait);
+    let mut in_flight = InFlight {
+        manager,
+        request: &request,
+        maybe_held: first.as_ref().is_some_and(|first| first.maybe_held),
     };
     let give_up = |attempts, failure: Option<redis::RedisError>| match failure {
         // The last word decides: a failure to reach Redis is not reported as "busy".
@@ -488,7 +557,10 @@ async fn acquire(
     let shares = matches!(plan.kind, RequestKind::Read | RequestKind::Permits(_));
     // A plain lock can be handed over by a local release, in that release's round trip.
     let hand_off = matches!(request.shape, Shape::Plain) && inner.backend.capabilities().hand_off;
-    let mut ticket = (queues && !shares && inner.waiters.has_waiters(&request.wake)).then(join);
+    // After a first attempt, the loop goes on from its answer, not from the queue.
+    let mut ticket =
+        (first.is_none() && queues && !shares && inner.waiters.has_waiters(&request.wake))
+            .then(join);
     let mut failure: Option<redis::RedisError> = None;
     let mut attempts = 0u32;
     // The receiving end of this waiter's standing offer to take the lock from a local release
@@ -576,7 +648,10 @@ async fn acquire(
                 }
             }
             attempts += 1;
-            let (sent, outcome) = send_attempt(manager, &plan, &request, &mut in_flight).await?;
+            let (sent, outcome) = match first.take() {
+                Some(first) => (first.sent, first.outcome),
+                None => send_attempt(manager, &plan, &request, &mut in_flight).await?,
+            };
             let holder_ttl = match outcome {
                 Ok(Attempt::Held { fence }) => {
                     in_flight.maybe_held = false;
@@ -1082,17 +1157,24 @@ fn shape_of(kind: RequestKind, plan: &Plan, token: &str, tag: &str) -> (Shape, K
 /// the tokens this process made, so that no two owners anywhere share one. Drawn without a
 /// system call per lock.
 pub(crate) fn new_token() -> String {
-    static PROCESS: LazyLock<u64> = LazyLock::new(|| uuid::Uuid::new_v4().as_u64_pair().0);
+    /// This process's half, drawn once, as 16 hex digits.
+    static PROCESS: LazyLock<[u8; 16]> =
+        LazyLock::new(|| hex(uuid::Uuid::new_v4().as_u64_pair().0));
     static COUNT: AtomicU64 = AtomicU64::new(0);
+    let mut token = Vec::with_capacity(32);
+    token.extend_from_slice(&*PROCESS);
+    token.extend_from_slice(&hex(COUNT.fetch_add(1, Ordering::Relaxed)));
+    String::from_utf8(token).expect("hex digits are ASCII")
+}
+
+/// `n` as 16 hex digits, most significant first (as `{:016x}` would write them).
+fn hex(n: u64) -> [u8; 16] {
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut digits = [0u8; 32];
-    let halves = [*PROCESS, COUNT.fetch_add(1, Ordering::Relaxed)];
-    // 16 hex digits a half, most significant first (as `{:016x}` would write them).
+    let mut digits = [0u8; 16];
     for (at, digit) in digits.iter_mut().enumerate() {
-        let nibble = halves[at / 16] >> (4 * (15 - at % 16));
-        *digit = HEX[nibble as usize & 0xf];
+        *digit = HEX[(n >> (4 * (15 - at))) as usize & 0xf];
     }
-    String::from_utf8(digits.to_vec()).expect("hex digits are ASCII")
+    digits
 }
 
 /// Errors after which the same attempt may succeed if sent again.

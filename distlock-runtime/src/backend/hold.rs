@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use redis::RedisResult;
 
+use super::link::Query;
 use crate::scripts;
 pub(crate) use crate::scripts::millis;
 
@@ -171,20 +172,19 @@ pub(super) enum AcquireCall<'a> {
 }
 
 impl AcquireCall<'_> {
-    pub(super) async fn run<C>(&self, conn: &mut C, token: &str) -> RedisResult<Attempt>
-    where
-        C: redis::aio::ConnectionLike + Send,
-    {
+    /// The scripts' calls are boxed: their futures are large, and the native `SET` of
+    /// every plain lock would carry them.
+    pub(super) async fn run<C: Query>(&self, conn: &mut C, token: &str) -> RedisResult<Attempt> {
         match self {
             Self::Script(call) => {
-                let (held, value): (i64, i64) = call.invoke_async(conn).await?;
+                let (held, value): (i64, i64) = Box::pin(call.invoke_async(conn)).await?;
                 Ok(attempt(held, value))
             }
             // Nothing there: set. Our own token: an earlier send of this attempt won (its
             // reply was lost). Another value: busy. A hash (another lock kind, or a lock with
             // fencing or min_hold) answers WRONGTYPE: the script decides, as it alone can
             // clear read shares or permits whose leases have ended.
-            Self::Set { set, req } => match set.query_async::<Option<String>>(conn).await {
+            Self::Set { set, req } => match conn.query::<Option<String>>(set).await {
                 Ok(None) => Ok(Attempt::Held { fence: 0 }),
                 // The lease must count from this attempt, as the caller's deadline will: the
                 // earlier send set it from then. Lengthened only if still this owner's.
@@ -195,7 +195,7 @@ impl AcquireCall<'_> {
                         token: &req.token,
                         lease: req.lease,
                     };
-                    let extended: i64 = extend.call().invoke_async(conn).await?;
+                    let extended: i64 = Box::pin(extend.call().invoke_async(conn)).await?;
                     Ok(if extended == 1 {
                         Attempt::Held { fence: 0 }
                     } else {
@@ -203,7 +203,7 @@ impl AcquireCall<'_> {
                     })
                 }
                 Ok(Some(_)) => {
-                    let left: i64 = redis::cmd("PTTL").arg(&req.lock).query_async(conn).await?;
+                    let left: i64 = conn.query(redis::cmd("PTTL").arg(&req.lock)).await?;
                     Ok(Attempt::Busy {
                         holder_ttl: u64::try_from(left).ok().map(Duration::from_millis),
                     })
@@ -219,7 +219,8 @@ impl AcquireCall<'_> {
                         reentrant: req.reentrant,
                         after_set: true,
                     };
-                    let (held, value): (i64, i64) = script.call().invoke_async(conn).await?;
+                    let (held, value): (i64, i64) =
+                        Box::pin(script.call().invoke_async(conn)).await?;
                     Ok(attempt(held, value))
                 }
                 Err(error) => Err(error),

@@ -15,6 +15,7 @@ use redis::RedisResult;
 
 mod cluster;
 mod hold;
+mod link;
 mod node;
 mod redlock;
 mod sentinel;
@@ -153,7 +154,8 @@ impl Backend {
 
     /// One acquire attempt.
     pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
-        each!(self, node => node.acquire(req).await, masters => masters.acquire(req).await)
+        // Boxed: the quorum's future is large, and every single-endpoint lock would carry it.
+        each!(self, node => node.acquire(req).await, masters => Box::pin(masters.acquire(req)).await)
     }
 
     /// Gives back one hold; with RedLock, `false` only when a majority did not hold it.

@@ -9,10 +9,11 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use futures_util::future::join_all;
+use futures_util::FutureExt;
+use futures_util::future::{Either, join_all};
 use tokio::runtime;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
+use redis::aio::MultiplexedConnection;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{
@@ -27,6 +28,7 @@ use super::hold::{
     AcquireCall, AcquireRequest, Attempt, FAIR_ENTRY_LEASE, FAIR_UNCLAIMED, FairRelease, HoldIds,
     Renewal, Shape, millis,
 };
+use super::link::{Link, Query};
 use super::sentinel::Sentinel;
 use crate::security::Security;
 
@@ -64,7 +66,8 @@ pub(super) struct Pool {
     /// For RedLock masters: is this still the server we knew (its run_id)?
     pub(super) identity: Mutex<Identity>,
     pub(super) restart_delay: Duration,
-    pub(super) config: ConnectionManagerConfig,
+    /// What bounds each connect and each answer of the shared connections.
+    pub(super) config: AsyncConnectionConfig,
     pub(super) response_timeout: Duration,
     pub(super) connect_timeout: Duration,
     pub(super) sync_replicas: Option<(u32, Duration)>,
@@ -98,7 +101,7 @@ pub(crate) enum NativeDelete {
 /// A connection of one runtime: to one server, or to a whole Cluster.
 #[derive(Clone)]
 pub(super) enum Conn {
-    Single(ConnectionManager),
+    Single(Link),
     Cluster(ClusterConnection),
 }
 
@@ -151,6 +154,18 @@ impl redis::aio::ConnectionLike for Conn {
     }
 }
 
+impl Query for Conn {
+    async fn query<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> RedisResult<T> {
+        let value = match self {
+            Self::Single(link) => link.send(cmd).await?,
+            Self::Cluster(conn) => {
+                redis::aio::ConnectionLike::req_packed_command(conn, cmd).await?
+            }
+        };
+        Ok(redis::from_redis_value(value.extract_error()?)?)
+    }
+}
+
 impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Node")
@@ -172,12 +187,9 @@ impl Node {
         cluster: Option<ClusterClient>,
     ) -> RedisResult<Self> {
         let client = options.security.client(url)?;
-        let config = ConnectionManagerConfig::new()
+        let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(options.connect_timeout))
-            .set_response_timeout(Some(options.response_timeout))
-            .set_number_of_retries(1)
-            .set_min_delay(Duration::from_millis(20))
-            .set_max_delay(Duration::from_millis(200));
+            .set_response_timeout(Some(options.response_timeout));
         let node = Self {
             pool: Arc::new(Pool {
                 client: Mutex::new(client),
@@ -462,10 +474,7 @@ impl Node {
                 let connect = Box::pin(cluster.get_async_connection());
                 Conn::Cluster(bounded(self.pool.connect_timeout * 3, connect).await?)
             }
-            None => Conn::Single(ConnectionManager::new_lazy_with_config(
-                self.client(),
-                self.pool.config.clone(),
-            )?),
+            None => Conn::Single(Link::new(self.client(), self.pool.config.clone())),
         };
         Ok(self.lock_conns().entry(id).or_insert(conn).clone())
     }
@@ -829,14 +838,14 @@ impl Node {
         };
         let bounds = conn.bounds();
         let command = call.command();
-        let answer = self.answer(bounds, command.query_async::<i64>(conn)).await;
+        let answer = self.answer(bounds, conn.query::<i64>(&command)).await;
         let released = match answer {
             // The server lost its scripts (a restart, `SCRIPT FLUSH`): the same call with the
             // script's text, which the server keeps for the next one. Boxed, as rare: its
             // state stays out of every release's future.
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 let again = call.eval_command();
-                Box::pin(self.answer(bounds, again.query_async::<i64>(conn))).await
+                Box::pin(self.answer(bounds, conn.query::<i64>(&again))).await
             }
             answer => answer,
         };
@@ -980,23 +989,23 @@ impl Node {
         }
     }
 
-    pub(super) async fn bounded<T>(
+    pub(super) fn bounded<T>(
         &self,
         op: impl Future<Output = RedisResult<T>>,
-    ) -> RedisResult<T> {
-        bounded(self.pool.response_timeout, op).await
+    ) -> impl Future<Output = RedisResult<T>> {
+        bounded(self.pool.response_timeout, op)
     }
 
     /// `op`, bounded by the response timeout: by the connection itself where it bounds every
     /// request (the connection manager of one server), by a timer around `op` elsewhere.
-    pub(super) async fn answer<T>(
+    pub(super) fn answer<T>(
         &self,
         on: Bounds,
         op: impl Future<Output = RedisResult<T>>,
-    ) -> RedisResult<T> {
+    ) -> impl Future<Output = RedisResult<T>> {
         match on {
-            Bounds::Itself => op.await,
-            Bounds::Timer => self.bounded(op).await,
+            Bounds::Itself => Either::Left(op),
+            Bounds::Timer => Either::Right(self.bounded(op)),
         }
     }
 }
@@ -1036,15 +1045,18 @@ pub(crate) fn denied(error: &RedisError) -> bool {
 }
 
 /// Bounds `op`, reconnect waits included, by `limit`.
-pub(super) async fn bounded<T>(
+pub(super) fn bounded<T>(
     limit: Duration,
     op: impl Future<Output = RedisResult<T>>,
-) -> RedisResult<T> {
-    match tokio::time::timeout(limit, op).await {
-        Ok(result) => result,
-        Err(_) => Err(RedisError::from(io::Error::new(
-            io::ErrorKind::TimedOut,
-            format!("no answer from redis within {limit:?}"),
-        ))),
-    }
+) -> impl Future<Output = RedisResult<T>> {
+    // A combinator, not an `async fn`: that would keep `op` twice in its state (as the
+    // argument, and inside the timeout).
+    tokio::time::timeout(limit, op).map(move |answer| {
+        answer.unwrap_or_else(|_| {
+            Err(RedisError::from(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no answer from redis within {limit:?}"),
+            )))
+        })
+    })
 }

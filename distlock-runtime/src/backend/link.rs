@@ -1,0 +1,219 @@
+//! One runtime's connection to one server: a multiplexed connection, opened on first use and
+//! again after it breaks.
+//!
+//! Every plain lock sends its commands through here, so the way in is short: a mutex held
+//! for a clone of the open connection, then the connection's own send, awaited in place (no
+//! boxed future on the way, no shared future polled per command). Opening is shared: the
+//! requests that arrive while a connection is being opened wait for that one.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use futures_util::future::{BoxFuture, Shared};
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, Client, Cmd, Pipeline, RedisResult, Value};
+
+/// How long to pause before the second try of an opening that failed (plus up to as much
+/// again, at random, so that many clients do not come back at once).
+const RETRY_PAUSE: Duration = Duration::from_millis(20);
+
+/// A connection being opened, which every request that needs it awaits.
+type Opening = Shared<BoxFuture<'static, RedisResult<MultiplexedConnection>>>;
+
+/// A reconnecting multiplexed connection; clones share it.
+#[derive(Clone)]
+pub(super) struct Link {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: Client,
+    config: AsyncConnectionConfig,
+    state: Mutex<State>,
+}
+
+enum State {
+    /// Not opened yet, or broken: the next request opens one.
+    Closed,
+    /// Being opened.
+    Opening(Opening),
+    /// Open; `generation` tells it from the connections before and after it.
+    Open {
+        conn: MultiplexedConnection,
+        generation: u64,
+    },
+}
+
+impl Link {
+    /// A link to the server of `client`; nothing is sent until it is used. `config` bounds
+    /// each connect and each answer.
+    pub(super) fn new(client: Client, config: AsyncConnectionConfig) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                client,
+                config,
+                state: Mutex::new(State::Closed),
+            }),
+        }
+    }
+
+    /// Sends one command and returns the server's answer (errors included as values, as the
+    /// connection gives them). A connection that broke is opened again by the next request.
+    pub(super) async fn send(&self, cmd: &Cmd) -> RedisResult<Value> {
+        let (mut conn, generation) = self.conn().await?;
+        let answer = conn.send_packed_command(cmd).await;
+        self.check(&answer, generation);
+        answer
+    }
+
+    /// Sends `count` commands of `pipeline` from `offset`, as [`send`](Self::send) does one.
+    pub(super) async fn send_pipeline(
+        &self,
+        pipeline: &Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisResult<Vec<Value>> {
+        let (mut conn, generation) = self.conn().await?;
+        let answers = Box::pin(conn.send_packed_commands(pipeline, offset, count)).await;
+        self.check(&answers, generation);
+        answers
+    }
+
+    /// The database the connection selects.
+    pub(super) fn db(&self) -> i64 {
+        self.inner
+            .client
+            .get_connection_info()
+            .redis_settings()
+            .db()
+    }
+
+    /// The open connection, or the one being opened (opening it if none is).
+    async fn conn(&self) -> RedisResult<(MultiplexedConnection, u64)> {
+        let opening = {
+            let mut state = self.state();
+            match &*state {
+                State::Open { conn, generation } => return Ok((conn.clone(), *generation)),
+                State::Opening(opening) => opening.clone(),
+                State::Closed => {
+                    let opening = self.open();
+                    *state = State::Opening(opening.clone());
+                    opening
+                }
+            }
+        };
+        let opened = opening.clone().await;
+        let mut state = self.state();
+        // The first waiter back records the outcome. The others use the connection without
+        // a generation: by then the state may hold a newer one, which their failures must not
+        // close.
+        if !matches!(&*state, State::Opening(now) if now.ptr_eq(&opening)) {
+            return opened.map(|conn| (conn, 0));
+        }
+        match opened {
+            Ok(conn) => {
+                let generation = GENERATION.next();
+                *state = State::Open {
+                    conn: conn.clone(),
+                    generation,
+                };
+                Ok((conn, generation))
+            }
+            Err(error) => {
+                *state = State::Closed;
+                Err(error)
+            }
+        }
+    }
+
+    /// Opens a connection, trying twice.
+    fn open(&self) -> Opening {
+        let (client, config) = (self.inner.client.clone(), self.inner.config.clone());
+        async move {
+            match client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await
+            {
+                Ok(conn) => Ok(conn),
+                Err(error) if !error.is_io_error() => Err(error),
+                Err(_) => {
+                    let jitter = RETRY_PAUSE.mul_f64(fastrand::f64());
+                    tokio::time::sleep(RETRY_PAUSE + jitter).await;
+                    client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await
+                }
+            }
+        }
+        .boxed()
+        .shared()
+    }
+
+    /// After an answer: a connection that can no longer be trusted (dropped, or out of step
+    /// after an error) is closed, unless a newer one already replaced it.
+    fn check<T>(&self, answer: &RedisResult<T>, generation: u64) {
+        let Err(error) = answer else {
+            return;
+        };
+        if !error.is_unrecoverable_error() {
+            return;
+        }
+        let mut state = self.state();
+        if matches!(&*state, State::Open { generation: now, .. } if *now == generation) {
+            *state = State::Closed;
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Numbers connections across links, from 1.
+struct Generations(std::sync::atomic::AtomicU64);
+
+impl Generations {
+    fn next(&self) -> u64 {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
+    }
+}
+
+static GENERATION: Generations = Generations(std::sync::atomic::AtomicU64::new(0));
+
+/// A connection that answers one command in place, converted to `T`: as
+/// `cmd.query_async(conn)`, but without the boxed future of `ConnectionLike` where the
+/// connection can avoid it.
+pub(super) trait Query: redis::aio::ConnectionLike + Send {
+    /// Sends `cmd` and converts its answer; a server error is an `Err`.
+    fn query<T: redis::FromRedisValue>(
+        &mut self,
+        cmd: &Cmd,
+    ) -> impl Future<Output = RedisResult<T>> + Send;
+}
+
+impl Query for MultiplexedConnection {
+    async fn query<T: redis::FromRedisValue>(&mut self, cmd: &Cmd) -> RedisResult<T> {
+        let value = self.send_packed_command(cmd).await?;
+        Ok(redis::from_redis_value(value.extract_error()?)?)
+    }
+}
+
+impl redis::aio::ConnectionLike for Link {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> redis::RedisFuture<'a, Value> {
+        Box::pin(self.send(cmd))
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<Value>> {
+        Box::pin(self.send_pipeline(pipeline, offset, count))
+    }
+
+    fn get_db(&self) -> i64 {
+        self.db()
+    }
+}
