@@ -12,14 +12,18 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use futures_util::future::{BoxFuture, Shared};
 use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, Client, Cmd, Pipeline, RedisResult, Value};
+use redis::{AsyncConnectionConfig, Client, Cmd, Pipeline, PushInfo, PushKind, RedisResult, Value};
 
 /// How long to pause before the second try of an opening that failed (plus up to as much
 /// again, at random, so that many clients do not come back at once).
 const RETRY_PAUSE: Duration = Duration::from_millis(20);
 
-/// A connection being opened, which every request that needs it awaits.
-type Opening = Shared<BoxFuture<'static, RedisResult<MultiplexedConnection>>>;
+/// A connection being opened (and its generation), which every request that needs it awaits.
+type Opening = Shared<BoxFuture<'static, RedisResult<(MultiplexedConnection, u64)>>>;
+
+/// Told when the server ended a connection on its own (RESP3 says so as it happens): the
+/// server may have restarted, and whoever checks its identity must look again.
+pub(super) type Lost = Arc<dyn Fn() + Send + Sync>;
 
 /// A reconnecting multiplexed connection; clones share it.
 #[derive(Clone)]
@@ -30,6 +34,7 @@ pub(super) struct Link {
 struct Inner {
     client: Client,
     config: AsyncConnectionConfig,
+    lost: Lost,
     state: Mutex<State>,
 }
 
@@ -47,12 +52,13 @@ enum State {
 
 impl Link {
     /// A link to the server of `client`; nothing is sent until it is used. `config` bounds
-    /// each connect and each answer.
-    pub(super) fn new(client: Client, config: AsyncConnectionConfig) -> Self {
+    /// each connect and each answer; `lost` hears of connections the server ended.
+    pub(super) fn new(client: Client, config: AsyncConnectionConfig, lost: Lost) -> Self {
         Self {
             inner: Arc::new(Inner {
                 client,
                 config,
+                lost,
                 state: Mutex::new(State::Closed),
             }),
         }
@@ -105,46 +111,60 @@ impl Link {
         };
         let opened = opening.clone().await;
         let mut state = self.state();
-        // The first waiter back records the outcome. The others use the connection without
-        // a generation: by then the state may hold a newer one, which their failures must not
-        // close.
-        if !matches!(&*state, State::Opening(now) if now.ptr_eq(&opening)) {
-            return opened.map(|conn| (conn, 0));
-        }
-        match opened {
-            Ok(conn) => {
-                let generation = GENERATION.next();
-                *state = State::Open {
+        // The first waiter back records the outcome; the others find it recorded, or a newer
+        // state, which they leave alone.
+        if matches!(&*state, State::Opening(now) if now.ptr_eq(&opening)) {
+            *state = match &opened {
+                Ok((conn, generation)) => State::Open {
                     conn: conn.clone(),
-                    generation,
-                };
-                Ok((conn, generation))
-            }
-            Err(error) => {
-                *state = State::Closed;
-                Err(error)
-            }
+                    generation: *generation,
+                },
+                Err(_) => State::Closed,
+            };
         }
+        opened
     }
 
-    /// Opens a connection, trying twice.
+    /// Opens a connection, trying twice. On RESP3 the connection tells when the server ends
+    /// it, and the link closes it then, so the next request opens a new one instead of
+    /// failing on the dead one.
     fn open(&self) -> Opening {
-        let (client, config) = (self.inner.client.clone(), self.inner.config.clone());
+        let generation = GENERATION.next();
+        let client = self.inner.client.clone();
+        let mut config = self.inner.config.clone();
+        if client
+            .get_connection_info()
+            .redis_settings()
+            .protocol()
+            .supports_resp3()
+        {
+            let link = Arc::downgrade(&self.inner);
+            config = config.set_push_sender(move |push: PushInfo| {
+                if push.kind == PushKind::Disconnection
+                    && let Some(link) = link.upgrade()
+                {
+                    close(&link, generation);
+                    (link.lost)();
+                }
+                Ok::<(), std::convert::Infallible>(())
+            });
+        }
         async move {
-            match client
+            let conn = match client
                 .get_multiplexed_async_connection_with_config(&config)
                 .await
             {
-                Ok(conn) => Ok(conn),
-                Err(error) if !error.is_io_error() => Err(error),
+                Ok(conn) => conn,
+                Err(error) if !error.is_io_error() => return Err(error),
                 Err(_) => {
                     let jitter = RETRY_PAUSE.mul_f64(fastrand::f64());
                     tokio::time::sleep(RETRY_PAUSE + jitter).await;
                     client
                         .get_multiplexed_async_connection_with_config(&config)
-                        .await
+                        .await?
                 }
-            }
+            };
+            Ok((conn, generation))
         }
         .boxed()
         .shared()
@@ -159,14 +179,19 @@ impl Link {
         if !error.is_unrecoverable_error() {
             return;
         }
-        let mut state = self.state();
-        if matches!(&*state, State::Open { generation: now, .. } if *now == generation) {
-            *state = State::Closed;
-        }
+        close(&self.inner, generation);
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
         self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Closes the connection of `generation`, if it is still the open one.
+fn close(link: &Inner, generation: u64) {
+    let mut state = link.state.lock().unwrap_or_else(|e| e.into_inner());
+    if matches!(&*state, State::Open { generation: now, .. } if *now == generation) {
+        *state = State::Closed;
     }
 }
 

@@ -474,7 +474,20 @@ impl Node {
                 let connect = Box::pin(cluster.get_async_connection());
                 Conn::Cluster(bounded(self.pool.connect_timeout * 3, connect).await?)
             }
-            None => Conn::Single(Link::new(self.client(), self.pool.config.clone())),
+            None => {
+                // A connection the server ended may mean a restart: the server's identity is
+                // checked again, as after a failed request.
+                let pool = Arc::downgrade(&self.pool);
+                let lost = Arc::new(move || {
+                    if let Some(pool) = pool.upgrade() {
+                        pool.identity
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .suspect = true;
+                    }
+                });
+                Conn::Single(Link::new(self.client(), self.pool.config.clone(), lost))
+            }
         };
         Ok(self.lock_conns().entry(id).or_insert(conn).clone())
     }
