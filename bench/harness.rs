@@ -106,6 +106,22 @@ pub(crate) fn server_version(server: &RedisServer) -> String {
     format!("{name} {version}")
 }
 
+/// The server process's CPU time so far (user and system: reading and writing its sockets
+/// included), from `INFO cpu`.
+pub(crate) fn server_cpu(server: &RedisServer) -> Duration {
+    let info = server.command(&["INFO", "cpu"]).unwrap_or_default();
+    let seconds: f64 = info
+        .lines()
+        .filter_map(|l| {
+            let value = l
+                .strip_prefix("used_cpu_sys:")
+                .or_else(|| l.strip_prefix("used_cpu_user:"))?;
+            value.trim().parse::<f64>().ok()
+        })
+        .sum();
+    Duration::from_secs_f64(seconds)
+}
+
 /// Calls per command from `INFO commandstats`: every command the server ran, those a script
 /// runs inside included (`INFO` itself left out).
 #[derive(Debug, Default, Clone)]

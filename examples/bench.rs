@@ -148,32 +148,50 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             String::new()
         }
     );
-    println!("uncontended acquire+release pairs/s (distinct keys)");
     println!(
-        "{:>6}  {:>12} {:>12} {:>7} {:>12} {:>7}",
-        "tasks", "raw", "manual", "ratio", "annotated", "ratio"
+        "uncontended acquire+release pairs/s (distinct keys); server: the server's CPU time per \
+         pair meanwhile (INFO cpu)"
+    );
+    println!(
+        "{:>6}  {:>12} {:>12} {:>7} {:>12} {:>7}  {:>19}",
+        "tasks", "raw", "manual", "ratio", "annotated", "ratio", "server raw / manual"
     );
     for tasks in [1, 16, 64] {
         let mut rows = Vec::new();
         for _ in 0..options.reps {
-            let [raw_rate, manual, annotated] =
-                harness::in_turns(run, async |workload, slice| match workload {
+            // Server CPU time and pairs, per workload.
+            let mut spent = [(Duration::ZERO, 0.0); 3];
+            let [raw_rate, manual, annotated] = harness::in_turns(run, async |workload, slice| {
+                let before = harness::server_cpu(&server);
+                let rate = match workload {
                     0 => harness::uncontended(&raw, tasks, slice).await,
                     1 => harness::uncontended(&Manual(locks.clone()), tasks, slice).await,
                     _ => harness::uncontended(&Annotated(locks.clone()), tasks, slice).await,
-                })
-                .await;
-            rows.push((raw_rate, manual, annotated));
+                };
+                spent[workload].0 += harness::server_cpu(&server).saturating_sub(before);
+                spent[workload].1 += rate * slice.as_secs_f64();
+                rate
+            })
+            .await;
+            let micros = |(cpu, pairs): (Duration, f64)| cpu.as_secs_f64() * 1e6 / pairs.max(1.0);
+            rows.push([
+                raw_rate,
+                manual,
+                annotated,
+                micros(spent[0]),
+                micros(spent[1]),
+            ]);
         }
-        let median =
-            |f: &dyn Fn(&(f64, f64, f64)) -> f64| harness::median(rows.iter().map(f).collect());
+        let median = |f: &dyn Fn(&[f64; 5]) -> f64| harness::median(rows.iter().map(f).collect());
         println!(
-            "{tasks:>6}  {:>12.0} {:>12.0} {:>6.2}x {:>12.0} {:>6.2}x",
-            median(&|r| r.0),
-            median(&|r| r.1),
-            median(&|r| r.1 / r.0),
-            median(&|r| r.2),
-            median(&|r| r.2 / r.0),
+            "{tasks:>6}  {:>12.0} {:>12.0} {:>6.2}x {:>12.0} {:>6.2}x  {:>6.1} / {:>4.1} µs",
+            median(&|r| r[0]),
+            median(&|r| r[1]),
+            median(&|r| r[1] / r[0]),
+            median(&|r| r[2]),
+            median(&|r| r[2] / r[0]),
+            median(&|r| r[3]),
+            median(&|r| r[4]),
         );
     }
 

@@ -81,7 +81,7 @@ impl Link {
         count: usize,
     ) -> RedisResult<Vec<Value>> {
         let (mut conn, generation) = self.conn().await?;
-        let answers = Box::pin(conn.send_packed_commands(pipeline, offset, count)).await;
+        let answers = conn.send_packed_commands(pipeline, offset, count).await;
         self.check(&answers, generation);
         answers
     }
@@ -215,12 +215,23 @@ pub(super) trait Query: redis::aio::ConnectionLike + Send {
         &mut self,
         cmd: &Cmd,
     ) -> impl Future<Output = RedisResult<T>> + Send;
+
+    /// Sends every command of `pipeline` back to back and returns their answers, a server
+    /// error as a value among them.
+    fn query_each(
+        &mut self,
+        pipeline: &Pipeline,
+    ) -> impl Future<Output = RedisResult<Vec<Value>>> + Send;
 }
 
 impl Query for MultiplexedConnection {
     async fn query<T: redis::FromRedisValue>(&mut self, cmd: &Cmd) -> RedisResult<T> {
         let value = self.send_packed_command(cmd).await?;
         Ok(redis::from_redis_value(value.extract_error()?)?)
+    }
+
+    async fn query_each(&mut self, pipeline: &Pipeline) -> RedisResult<Vec<Value>> {
+        self.send_packed_commands(pipeline, 0, pipeline.len()).await
     }
 }
 

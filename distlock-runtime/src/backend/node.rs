@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use futures_util::future::{Either, join_all};
+use futures_util::future::join_all;
 use tokio::runtime;
 
 use redis::aio::MultiplexedConnection;
@@ -31,6 +31,20 @@ use super::hold::{
 use super::link::{Link, Query};
 use super::sentinel::Sentinel;
 use crate::security::Security;
+
+/// Awaits `op`, a request on a connection whose [`Bounds`] are `bounds`, within the
+/// response timeout of `node`: in place where the connection bounds it itself, under a timer
+/// elsewhere. A macro rather than a function or a combinator: those take the request's future
+/// by value, and every move of it (over a kilobyte, with the connection's own timeout inside)
+/// is a copy on every lock.
+macro_rules! answer {
+    ($node:expr, $bounds:expr, $op:expr) => {
+        match $bounds {
+            Bounds::Itself => $op.await,
+            Bounds::Timer => $node.bounded($op).await,
+        }
+    };
+}
 
 /// How a backend connects.
 #[derive(Debug, Clone)]
@@ -163,6 +177,16 @@ impl Query for Conn {
             }
         };
         Ok(redis::from_redis_value(value.extract_error()?)?)
+    }
+
+    async fn query_each(&mut self, pipeline: &redis::Pipeline) -> RedisResult<Vec<redis::Value>> {
+        match self {
+            Self::Single(link) => link.send_pipeline(pipeline, 0, pipeline.len()).await,
+            Self::Cluster(conn) => {
+                let count = pipeline.len();
+                redis::aio::ConnectionLike::req_packed_commands(conn, pipeline, 0, count).await
+            }
+        }
     }
 }
 
@@ -596,7 +620,7 @@ impl Node {
             return Box::pin(self.acquire_replicated(req, &call, sync)).await;
         }
         let bounds = conn.bounds();
-        self.watch(self.answer(bounds, call.run(&mut conn, &req.token)).await)
+        self.watch(answer!(self, bounds, call.run(&mut conn, &req.token)))
     }
 
     /// Runs an acquire script and, after a grant, WAITs for `wanted` replicas for at most
@@ -738,7 +762,7 @@ impl Node {
         .call();
         let bounds = conn.bounds();
         let (status, value): (i64, redis::Value) =
-            self.watch(self.answer(bounds, call.invoke_async(&mut conn)).await)?;
+            self.watch(answer!(self, bounds, call.invoke_async(&mut conn)))?;
         Ok(match status {
             2 => FairRelease::Granted(redis::from_redis_value(value)?),
             1 => FairRelease::Freed,
@@ -797,22 +821,19 @@ impl Node {
         let mut publish = command("PUBLISH", 2, ids.wake.len() + message.len());
         publish.arg(&ids.wake).arg(message);
         let mut both = redis::pipe();
-        both.ignore_errors()
-            .add_command(delete)
-            .add_command(publish);
-        let answers = self
-            .answer(
-                conn.bounds(),
-                both.query_async::<Vec<RedisResult<i64>>>(conn),
-            )
-            .await;
+        both.add_command(delete).add_command(publish);
+        let answers = answer!(self, conn.bounds(), conn.query_each(&both));
+        let count = |value: redis::Value| -> RedisResult<i64> {
+            Ok(redis::from_redis_value(value.extract_error()?)?)
+        };
         let (deleted, heard) = match answers {
             Ok(answers) => {
                 let mut answers = answers.into_iter();
-                let deleted = answers.next().unwrap_or_else(|| {
-                    Err(io::Error::other("no answer to the compare-and-delete").into())
-                });
-                let heard = answers.next().and_then(Result::ok).unwrap_or(0);
+                let deleted = answers.next().map_or_else(
+                    || Err(io::Error::other("no answer to the compare-and-delete").into()),
+                    count,
+                );
+                let heard = answers.next().map(count).and_then(Result::ok).unwrap_or(0);
                 (deleted, u64::try_from(heard).unwrap_or(0))
             }
             Err(error) => (Err(error), 0),
@@ -851,14 +872,14 @@ impl Node {
         };
         let bounds = conn.bounds();
         let command = call.command();
-        let answer = self.answer(bounds, conn.query::<i64>(&command)).await;
+        let answer = answer!(self, bounds, conn.query::<i64>(&command));
         let released = match answer {
             // The server lost its scripts (a restart, `SCRIPT FLUSH`): the same call with the
             // script's text, which the server keeps for the next one. Boxed, as rare: its
             // state stays out of every release's future.
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 let again = call.eval_command();
-                Box::pin(self.answer(bounds, conn.query::<i64>(&again))).await
+                Box::pin(async { answer!(self, bounds, conn.query::<i64>(&again)) }).await
             }
             answer => answer,
         };
@@ -885,8 +906,7 @@ impl Node {
                 lease,
             }
             .call();
-            let swapped: i64 =
-                self.watch(self.answer(bounds, call.invoke_async(&mut conn)).await)?;
+            let swapped: i64 = self.watch(answer!(self, bounds, call.invoke_async(&mut conn)))?;
             return Ok(swapped == 1);
         }
         let swap = redis::cmd("SET")
@@ -897,10 +917,7 @@ impl Node {
             .arg("PX")
             .arg(millis(lease))
             .to_owned();
-        match self
-            .answer(bounds, swap.query_async::<Option<String>>(&mut conn))
-            .await
-        {
+        match answer!(self, bounds, swap.query_async::<Option<String>>(&mut conn)) {
             Ok(swapped) => Ok(swapped.is_some()),
             // Another kind's hash at the key: not this owner's lock.
             Err(error) if error.code() == Some("WRONGTYPE") => Ok(false),
@@ -1007,19 +1024,6 @@ impl Node {
         op: impl Future<Output = RedisResult<T>>,
     ) -> impl Future<Output = RedisResult<T>> {
         bounded(self.pool.response_timeout, op)
-    }
-
-    /// `op`, bounded by the response timeout: by the connection itself where it bounds every
-    /// request (the connection manager of one server), by a timer around `op` elsewhere.
-    pub(super) fn answer<T>(
-        &self,
-        on: Bounds,
-        op: impl Future<Output = RedisResult<T>>,
-    ) -> impl Future<Output = RedisResult<T>> {
-        match on {
-            Bounds::Itself => Either::Left(op),
-            Bounds::Timer => Either::Right(self.bounded(op)),
-        }
     }
 }
 
