@@ -332,6 +332,20 @@ async fn a_release_wakes_a_waiter_on_a_cluster() {
     guard.release().await.unwrap();
 }
 
+/// `SET` commands the cluster's nodes have run, those inside scripts included.
+fn sets(nodes: &[RedisServer]) -> u64 {
+    nodes
+        .iter()
+        .filter_map(|node| {
+            let info = node.command(&["INFO", "commandstats"]).ok()?;
+            let calls = info
+                .lines()
+                .find_map(|line| line.strip_prefix("cmdstat_set:calls="))?;
+            calls.split(',').next()?.parse::<u64>().ok()
+        })
+        .sum()
+}
+
 /// A release hands a plain lock to a task of its own manager waiting for it, on whichever
 /// master owns the key's slot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -342,12 +356,16 @@ async fn a_release_hands_the_lock_to_a_local_waiter_on_a_cluster() {
     let names: Vec<String> = (0..6).map(|i| format!("k{i}")).collect();
     for (handed, name) in names.iter().enumerate() {
         let held = locks.lock(name).ttl(day).acquire().await.unwrap();
+        let sets_before = sets(&nodes);
         let waiting = tokio::spawn({
             let (locks, name) = (locks.clone(), name.clone());
             async move { locks.lock(name).retry_delay(day).retries(5).acquire().await }
         });
+        // Ready once it has asked twice (when it queued, and again once subscribed, with its
+        // offer withdrawn meanwhile) and offers to take the lock again: an offer seen before
+        // the second ask may be withdrawn by the time the release looks for it.
         let started = std::time::Instant::now();
-        while locks.stats().ready_for_handoff == 0 {
+        while sets(&nodes) < sets_before + 2 || locks.stats().ready_for_handoff == 0 {
             assert!(started.elapsed() < Duration::from_secs(10), "never ready");
             tokio::task::yield_now().await;
         }
