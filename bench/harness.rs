@@ -109,7 +109,7 @@ pub(crate) fn server_version(server: &RedisServer) -> String {
 /// The server process's CPU time so far (user and system: reading and writing its sockets
 /// included), from `INFO cpu`.
 pub(crate) fn server_cpu(server: &RedisServer) -> Duration {
-    let info = server.command(&["INFO", "cpu"]).unwrap_or_default();
+    let info = server.command(&["INFO", "cpu"]).expect("INFO cpu");
     let seconds: f64 = info
         .lines()
         .filter_map(|l| {
@@ -362,8 +362,8 @@ pub(crate) async fn in_turns<const N: usize>(
 /// The fewest turns [`in_turns`] takes.
 pub(crate) const MIN_TURNS: u128 = 4;
 
-/// Acquire+release pairs per second by `tasks` tasks, each on its own key, for `run`.
-pub(crate) async fn uncontended<P: Pair>(locks: &P, tasks: usize, run: Duration) -> f64 {
+/// Acquire+release pairs by `tasks` tasks, each on its own key, for `run`.
+pub(crate) async fn uncontended<P: Pair>(locks: &P, tasks: usize, run: Duration) -> Run {
     let stop = Arc::new(AtomicBool::new(false));
     let mut set = tokio::task::JoinSet::new();
     for t in 0..tasks {
@@ -385,7 +385,25 @@ pub(crate) async fn uncontended<P: Pair>(locks: &P, tasks: usize, run: Duration)
     while let Some(n) = set.join_next().await {
         pairs += n.expect("bench task");
     }
-    pairs as f64 / started.elapsed().as_secs_f64()
+    Run {
+        pairs,
+        elapsed: started.elapsed(),
+    }
+}
+
+/// What an uncontended run did: pairs, and the time from the tasks' start to the last one's
+/// end.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Run {
+    pub(crate) pairs: u64,
+    pub(crate) elapsed: Duration,
+}
+
+impl Run {
+    /// Pairs per second.
+    pub(crate) fn rate(self) -> f64 {
+        self.pairs as f64 / self.elapsed.as_secs_f64()
+    }
 }
 
 /// What the server ran for `pairs` uncontended pairs, one after another (after a few

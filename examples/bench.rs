@@ -129,9 +129,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .filter(|&n| n > 0)
             .ok_or(usage)?;
         let rate = match workload.as_str() {
-            "raw" => harness::uncontended(&raw, tasks, run).await,
-            "manual" => harness::uncontended(&Manual(locks.clone()), tasks, run).await,
-            "annotated" => harness::uncontended(&Annotated(locks.clone()), tasks, run).await,
+            "raw" => harness::uncontended(&raw, tasks, run).await.rate(),
+            "manual" => harness::uncontended(&Manual(locks.clone()), tasks, run)
+                .await
+                .rate(),
+            "annotated" => harness::uncontended(&Annotated(locks.clone()), tasks, run)
+                .await
+                .rate(),
             _ => return Err(usage.into()),
         };
         println!("{workload}, {tasks} tasks, {run:?}: {rate:.0} pairs/s");
@@ -159,21 +163,25 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for tasks in [1, 16, 64] {
         let mut rows = Vec::new();
         for _ in 0..options.reps {
-            // Server CPU time and pairs, per workload.
-            let mut spent = [(Duration::ZERO, 0.0); 3];
+            // The server's CPU time and the pairs run meanwhile, for raw and manual: both from
+            // the tasks' start to the last one's end.
+            let mut spent = [(Duration::ZERO, 0u64); 2];
             let [raw_rate, manual, annotated] = harness::in_turns(run, async |workload, slice| {
                 let before = harness::server_cpu(&server);
-                let rate = match workload {
+                let done = match workload {
                     0 => harness::uncontended(&raw, tasks, slice).await,
                     1 => harness::uncontended(&Manual(locks.clone()), tasks, slice).await,
                     _ => harness::uncontended(&Annotated(locks.clone()), tasks, slice).await,
                 };
-                spent[workload].0 += harness::server_cpu(&server).saturating_sub(before);
-                spent[workload].1 += rate * slice.as_secs_f64();
-                rate
+                if let Some((cpu, pairs)) = spent.get_mut(workload) {
+                    *cpu += harness::server_cpu(&server).saturating_sub(before);
+                    *pairs += done.pairs;
+                }
+                done.rate()
             })
             .await;
-            let micros = |(cpu, pairs): (Duration, f64)| cpu.as_secs_f64() * 1e6 / pairs.max(1.0);
+            let micros =
+                |(cpu, pairs): (Duration, u64)| cpu.as_secs_f64() * 1e6 / pairs.max(1) as f64;
             rows.push([
                 raw_rate,
                 manual,

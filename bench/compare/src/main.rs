@@ -104,13 +104,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for _ in 0..reps {
         for (i, &tasks) in concurrency.iter().enumerate() {
             let [raw, manual, annotated, rslock, redlock, rslock_redlock] =
-                harness::in_turns(run, async |workload, slice| match workload {
-                    0 => harness::uncontended(&raw, tasks, slice).await,
-                    1 => harness::uncontended(&Manual(locks.clone()), tasks, slice).await,
-                    2 => harness::uncontended(&Annotated(locks.clone()), tasks, slice).await,
-                    3 => harness::uncontended(&rslock, tasks, slice).await,
-                    4 => harness::uncontended(&Manual(redlock.clone()), tasks, slice).await,
-                    _ => harness::uncontended(&rslock_redlock, tasks, slice).await,
+                harness::in_turns(run, async |workload, slice| {
+                    let done = match workload {
+                        0 => harness::uncontended(&raw, tasks, slice).await,
+                        1 => harness::uncontended(&Manual(locks.clone()), tasks, slice).await,
+                        2 => harness::uncontended(&Annotated(locks.clone()), tasks, slice).await,
+                        3 => harness::uncontended(&rslock, tasks, slice).await,
+                        4 => harness::uncontended(&Manual(redlock.clone()), tasks, slice).await,
+                        _ => harness::uncontended(&rslock_redlock, tasks, slice).await,
+                    };
+                    done.rate()
                 })
                 .await;
             rates[i].push(Rates {

@@ -217,7 +217,8 @@ pub(super) trait Query: redis::aio::ConnectionLike + Send {
     ) -> impl Future<Output = RedisResult<T>> + Send;
 
     /// Sends every command of `pipeline` back to back and returns their answers, a server
-    /// error as a value among them.
+    /// error as a value among them. Not for transactions (`atomic()`), whose answers come
+    /// wrapped in `MULTI` and `EXEC`.
     fn query_each(
         &mut self,
         pipeline: &Pipeline,
@@ -231,6 +232,10 @@ impl Query for MultiplexedConnection {
     }
 
     async fn query_each(&mut self, pipeline: &Pipeline) -> RedisResult<Vec<Value>> {
+        debug_assert!(
+            !pipeline.is_transaction(),
+            "a transaction's answers are wrapped"
+        );
         self.send_packed_commands(pipeline, 0, pipeline.len()).await
     }
 }

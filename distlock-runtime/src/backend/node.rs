@@ -180,6 +180,10 @@ impl Query for Conn {
     }
 
     async fn query_each(&mut self, pipeline: &redis::Pipeline) -> RedisResult<Vec<redis::Value>> {
+        debug_assert!(
+            !pipeline.is_transaction(),
+            "a transaction's answers are wrapped"
+        );
         match self {
             Self::Single(link) => link.send_pipeline(pipeline, 0, pipeline.len()).await,
             Self::Cluster(conn) => {
