@@ -205,7 +205,7 @@ impl AcquireCall<'_> {
                 Ok(Some(_)) => {
                     let left: i64 = conn.query(redis::cmd("PTTL").arg(&req.lock)).await?;
                     Ok(Attempt::Busy {
-                        holder_ttl: u64::try_from(left).ok().map(Duration::from_millis),
+                        holder_ttl: holder_ttl(left),
                     })
                 }
                 Err(error) if error.code() == Some("WRONGTYPE") => {
@@ -230,6 +230,18 @@ impl AcquireCall<'_> {
 }
 
 /// The answer of an acquire script: `(1, fence)` when granted, `(0, holder's pttl)` when not.
+/// How much longer the holder has, from a `PTTL` sent after the attempt found the lock held:
+/// `-2`, the key is gone since (its lease ended between the two), is no time at all, so the
+/// waiter asks again at once; a lease that ends as the waiter looks would otherwise leave it
+/// to its slowest timer, as nobody announces an expiry. `-1` (a key without expiry) reports
+/// nothing.
+fn holder_ttl(pttl: i64) -> Option<Duration> {
+    match pttl {
+        -2 => Some(Duration::ZERO),
+        left => u64::try_from(left).ok().map(Duration::from_millis),
+    }
+}
+
 pub(super) fn attempt(held: i64, value: i64) -> Attempt {
     match held {
         1 => Attempt::Held {
@@ -241,5 +253,17 @@ pub(super) fn attempt(held: i64, value: i64) -> Attempt {
         _ => Attempt::Busy {
             holder_ttl: u64::try_from(value).ok().map(Duration::from_millis),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_holder_whose_key_is_gone_leaves_no_time_to_wait() {
+        assert_eq!(holder_ttl(-2), Some(Duration::ZERO));
+        assert_eq!(holder_ttl(-1), None);
+        assert_eq!(holder_ttl(250), Some(Duration::from_millis(250)));
     }
 }
