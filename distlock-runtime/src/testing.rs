@@ -203,7 +203,25 @@ impl RedisServer {
         Self::cluster_of(masters, 0, Some(certs))
     }
 
+    /// A cluster of fresh nodes: a few times over, as one may not come up (two nodes on one
+    /// machine can meet on a busy cluster bus port, and `redis-cli --cluster create` then
+    /// waits for them forever).
     fn cluster_of(
+        masters: usize,
+        replicas: usize,
+        certs: Option<&TestCertificates>,
+    ) -> io::Result<Vec<RedisServer>> {
+        let mut last_error = None;
+        for _ in 0..3 {
+            match Self::try_cluster_of(masters, replicas, certs) {
+                Ok(nodes) => return Ok(nodes),
+                Err(error) => last_error = Some(error),
+            }
+        }
+        Err(last_error.unwrap_or_else(|| io::Error::other("the cluster did not come up")))
+    }
+
+    fn try_cluster_of(
         masters: usize,
         replicas: usize,
         certs: Option<&TestCertificates>,
@@ -233,14 +251,14 @@ impl RedisServer {
         } else {
             PathBuf::from("redis-cli")
         };
-        let mut create = Command::new(cli);
+        let mut command = Command::new(cli);
         if let Some(certs) = certs {
-            create
+            command
                 .arg("--tls")
                 .arg("--cacert")
                 .arg(certs.path("ca.crt"));
         }
-        let status = create
+        let mut create = command
             .arg("--cluster")
             .arg("create")
             .args(
@@ -253,7 +271,22 @@ impl RedisServer {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
-            .status()?;
+            .spawn()?;
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = create.try_wait()? {
+                break status;
+            }
+            if started.elapsed() > START_TIMEOUT {
+                let _ = create.kill();
+                let _ = create.wait();
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "redis-cli --cluster create did not finish",
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
         if !status.success() {
             return Err(io::Error::other(format!(
                 "redis-cli --cluster create failed: {status}"
