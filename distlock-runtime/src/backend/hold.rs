@@ -229,7 +229,6 @@ impl AcquireCall<'_> {
     }
 }
 
-/// The answer of an acquire script: `(1, fence)` when granted, `(0, holder's pttl)` when not.
 /// How much longer the holder has, from a `PTTL` sent after the attempt found the lock held:
 /// `-2`, the key is gone since (its lease ended between the two), is no time at all, so the
 /// waiter asks again at once; a lease that ends as the waiter looks would otherwise leave it
@@ -242,6 +241,7 @@ fn holder_ttl(pttl: i64) -> Option<Duration> {
     }
 }
 
+/// The answer of an acquire script: `(1, fence)` when granted, `(0, holder's pttl)` when not.
 pub(super) fn attempt(held: i64, value: i64) -> Attempt {
     match held {
         1 => Attempt::Held {
