@@ -274,18 +274,21 @@ impl RedisServer {
             .spawn()?;
         let started = Instant::now();
         let status = loop {
-            if let Some(status) = create.try_wait()? {
-                break status;
-            }
-            if started.elapsed() > START_TIMEOUT {
-                let _ = create.kill();
-                let _ = create.wait();
-                return Err(io::Error::new(
+            let failure = match create.try_wait() {
+                Ok(Some(status)) => break status,
+                Ok(None) if started.elapsed() <= START_TIMEOUT => {
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+                Ok(None) => io::Error::new(
                     io::ErrorKind::TimedOut,
                     "redis-cli --cluster create did not finish",
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(20));
+                ),
+                Err(error) => error,
+            };
+            let _ = create.kill();
+            let _ = create.wait();
+            return Err(failure);
         };
         if !status.success() {
             return Err(io::Error::other(format!(

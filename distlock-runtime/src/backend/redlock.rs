@@ -96,6 +96,11 @@ impl RedLock {
                 // Semaphores are not available with several masters: no mismatch comes here.
                 Ok(Attempt::Unreplicated { .. } | Attempt::PermitsMismatch { .. }) => {}
                 Ok(Attempt::Busy { holder_ttl }) => {
+                    // A master whose copy is gone since (another waiter's minority grant,
+                    // given back) is free there, not a holder about to leave: it bounds
+                    // nothing, or every waiter would go round at once while the majority's
+                    // holder keeps its lease.
+                    let holder_ttl = holder_ttl.filter(|ttl| !ttl.is_zero());
                     busy_for = match (busy_for, holder_ttl) {
                         (Some(a), Some(b)) => Some(a.min(b)),
                         (a, b) => a.or(b),
