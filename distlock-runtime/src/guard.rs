@@ -283,12 +283,7 @@ impl LockGuard {
             {
                 Next::Release => {}
                 Next::Yield => {
-                    let outcome = Box::pin(self.release_plain(false)).await;
-                    unanswered.0 = None;
-                    return outcome;
-                }
-                Next::Continue => {
-                    let outcome = Box::pin(self.release_plain(true)).await;
+                    let outcome = Box::pin(self.yield_to_others()).await;
                     unanswered.0 = None;
                     return outcome;
                 }
@@ -369,26 +364,18 @@ impl LockGuard {
         }
     }
 
-    /// Gives back a plain lock while this manager has waiters for it. `continuing`: the local
-    /// head, asking the server itself right now, takes it over; the wake-up says so, and
-    /// other processes' waiters let it pass. Otherwise a run of local hand-offs ends: the
-    /// lock goes to every process alike, and the local waiters sit out while other
-    /// processes' waiters take their turns.
-    async fn release_plain(&self, continuing: bool) -> Result<(), LockError> {
+    /// Gives back a plain lock at the end of a run of local hand-offs: the lock goes to every
+    /// process alike, and the local waiters sit out while other processes' waiters take
+    /// their turns.
+    async fn yield_to_others(&self) -> Result<(), LockError> {
         let inner = &self.parts.manager.inner;
         let ids = self.ids();
         let lease = self.parts.lease.ttl();
         let release = {
             let ids = ids.clone();
-            move |backend: crate::backend::Backend| async move {
-                backend.release_plain(&ids, continuing).await
-            }
+            move |backend: crate::backend::Backend| async move { backend.release_plain(&ids).await }
         };
         match inner.exec(release).await? {
-            Ok(Some(_)) if continuing => {
-                inner.waiters.released(&ids.wake);
-                Ok(())
-            }
             Ok(Some(heard)) => {
                 inner.waiters.yielded(&ids.wake, heard, lease);
                 Ok(())
@@ -434,11 +421,30 @@ impl LockGuard {
             Ok(true) => {
                 inner.waiters.handed_off();
                 tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "handed over");
-                // A waiter that gave up meanwhile drops it, which gives the lock back.
-                let _ = handed.send(Handed {
+                let handed = handed.send(Handed {
                     sent,
                     unclaimed: Some((inner.clone(), next)),
                 });
+                // The waiter gave up (or was cancelled) meanwhile: nobody takes the lock here,
+                // so this release gives it to everyone, with the wake-up, before it returns.
+                // One that gives up after this point drops the grant, which does the same from
+                // the background.
+                if let Err(mut handed) = handed
+                    && let Some((_, next)) = handed.unclaimed.take()
+                {
+                    let release = {
+                        let next = next.clone();
+                        move |backend: crate::backend::Backend| async move {
+                            backend.release(&next, Duration::ZERO).await
+                        }
+                    };
+                    match inner.exec(release).await? {
+                        Ok(true) => inner.waiters.released(&ids.wake),
+                        Ok(false) => {}
+                        // Whether it arrived is unknown: sent again from the background.
+                        Err(_) => release_in_background(inner, next, None),
+                    }
+                }
                 Ok(Some(Ok(())))
             }
             // Not this owner's any more: the waiter, told nothing, tries by itself.

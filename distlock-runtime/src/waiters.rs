@@ -160,11 +160,8 @@ pub(crate) struct Offer {
 /// What a release should do about the local waiters of its key.
 #[derive(Debug)]
 pub(crate) enum Next {
-    /// Release, and wake the local head if there is one (nobody waits here).
+    /// Release to every process, and wake the local head if there is one.
     Release,
-    /// Release, and wake the local head, which is asking the server itself right now: the
-    /// wake-up tells other processes that this one's next waiter takes the lock over.
-    Continue,
     /// Hand the lock to this waiter.
     HandOff(Offer),
     /// The run of hand-offs is over: release to every process alike, waking nobody here
@@ -338,31 +335,38 @@ impl Waiters {
     /// What a release of the lock behind `channel` by this manager should do: hand it to the
     /// local head's standing offer while the run of hand-offs is short, or release it. The
     /// offer taken is gone from the queue: its waiter finds it taken and waits for the outcome.
+    ///
+    /// Only an offer stands aside other processes, and only once its hand-off has landed: a
+    /// head that cannot take a hand-off (another kind, a set, a fair or fenced request) or is
+    /// asking the server itself leaves the release to everyone, with its wake-up.
     pub(crate) fn next(&self, channel: &str, lease: Duration) -> Next {
         let Some(key) = self.shared.lock_keys().get(channel).cloned() else {
             return Next::Release;
         };
         let mut queue = key.lock_queue();
         queue.held_here = None;
-        // Every release while local waiters are queued extends the run, whether it hands the
-        // lock over or wakes the head: either way the lock stays here.
-        let now = Instant::now();
-        let (count, since) = queue.chain.get_or_insert((0, now));
-        if *count >= CHAIN || now.duration_since(*since) >= SLICE.min(lease / 10) {
-            queue.chain = None;
-            return Next::Yield;
-        }
-        *count += 1;
         let offer = queue
             .entries
             .iter_mut()
             .find(|entry| entry.fair.is_none())
             .and_then(|head| head.offer.take_if(|offer| !offer.handed.is_closed()));
-        match offer {
-            Some(offer) => Next::HandOff(offer),
-            None if queue.head().is_some() => Next::Continue,
-            None => Next::Release,
+        let Some(offer) = offer else {
+            // A release to everyone ends any run of hand-offs.
+            queue.chain = None;
+            return Next::Release;
+        };
+        let now = Instant::now();
+        let (count, since) = queue.chain.get_or_insert((0, now));
+        if *count >= CHAIN || now.duration_since(*since) >= SLICE.min(lease / 10) {
+            queue.chain = None;
+            // The offer goes back to its waiter, which hears the release like everyone else.
+            if let Some(head) = queue.entries.iter_mut().find(|entry| entry.fair.is_none()) {
+                head.offer = Some(offer);
+            }
+            return Next::Yield;
         }
+        *count += 1;
+        Next::HandOff(offer)
     }
 
     /// A run of hand-offs ended with a release to everyone that `heard` subscribers heard.
@@ -432,11 +436,6 @@ impl Shared {
     fn dispatch(&self, channel: &str, message: &[u8]) {
         let key = self.lock_keys().get(channel).cloned();
         if let Some(key) = key {
-            // A release whose manager's next waiter takes the lock over: nothing to compete
-            // for here, and not the end of that manager's turn.
-            if message.ends_with(b"+") {
-                return;
-            }
             if let Some(token) = message.strip_prefix(b"=") {
                 let queue = key.lock_queue();
                 let granted = queue.entries.iter().find_map(|entry| {

@@ -167,14 +167,10 @@ impl Backend {
 
     /// Gives back a plain lock: `None` when the token did not hold it, otherwise how many
     /// subscribers (managers with waiters) heard the wake-up (0 with RedLock, which does not
-    /// count them). `continuing`: this manager's own next waiter takes the lock over.
-    pub(crate) async fn release_plain(
-        &self,
-        ids: &HoldIds,
-        continuing: bool,
-    ) -> RedisResult<Option<u64>> {
+    /// count them).
+    pub(crate) async fn release_plain(&self, ids: &HoldIds) -> RedisResult<Option<u64>> {
         each!(self,
-            node => node.release_plain(ids, continuing).await,
+            node => node.release_plain(ids).await,
             masters => Ok(masters.release(ids, Duration::ZERO).await?.then_some(0)))
     }
 

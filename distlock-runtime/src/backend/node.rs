@@ -95,9 +95,6 @@ pub(super) struct Pool {
     pub(super) delete: Mutex<NativeDelete>,
     pub(super) security: Arc<Security>,
     pub(super) tag: Arc<str>,
-    /// What a release publishes while this manager's own next waiter takes the lock over
-    /// (the tag and `+`): other processes' waiters need not compete for it.
-    pub(super) continuing: Arc<str>,
 }
 
 /// A server's native compare-and-delete, if it has one; without, a small script does it.
@@ -233,7 +230,6 @@ impl Node {
                 replicated: Mutex::new(HashMap::new()),
                 delete: Mutex::new(NativeDelete::Script),
                 security: options.security,
-                continuing: format!("{}+", options.tag).into(),
                 tag: options.tag,
             }),
         };
@@ -719,7 +715,7 @@ impl Node {
         }
         let mut conn = self.conn().await?;
         if *plain {
-            return Ok(self.unlock(&mut conn, ids, keep, false).await?.is_some());
+            return Ok(self.unlock(&mut conn, ids, keep).await?.is_some());
         }
         let call = match share {
             Some(share) => scripts::ShareRelease {
@@ -775,16 +771,10 @@ impl Node {
     }
 
     /// Gives back a plain lock (as [`release`](Self::release)), and answers how many
-    /// subscribers heard the wake-up: `None` when the token did not hold it. `continuing`:
-    /// this manager's own next waiter takes it over, and the wake-up says so.
-    pub(crate) async fn release_plain(
-        &self,
-        ids: &HoldIds,
-        continuing: bool,
-    ) -> RedisResult<Option<u64>> {
+    /// subscribers heard the wake-up: `None` when the token did not hold it.
+    pub(crate) async fn release_plain(&self, ids: &HoldIds) -> RedisResult<Option<u64>> {
         let mut conn = self.conn().await?;
-        self.unlock(&mut conn, ids, Duration::ZERO, continuing)
-            .await
+        self.unlock(&mut conn, ids, Duration::ZERO).await
     }
 
     /// Gives back a plain lock (string form): with the server's native compare-and-delete
@@ -796,13 +786,8 @@ impl Node {
         conn: &mut Conn,
         ids: &HoldIds,
         keep: Duration,
-        continuing: bool,
     ) -> RedisResult<Option<u64>> {
-        let message = if continuing {
-            &*self.pool.continuing
-        } else {
-            &*self.pool.tag
-        };
+        let message = &*self.pool.tag;
         let delete = match self.delete() {
             // One script: compare, delete (or leave the ownerless `min_hold` marker, which
             // only the script can), publish.
@@ -852,7 +837,7 @@ impl Node {
                     "the native compare-and-delete is denied by the ACL; using a script"
                 );
                 *self.pool.delete.lock().unwrap_or_else(|e| e.into_inner()) = NativeDelete::Script;
-                Box::pin(self.unlock(conn, ids, keep, continuing)).await
+                Box::pin(self.unlock(conn, ids, keep)).await
             }
             Err(error) => self.watch(Err(error)),
         }

@@ -1,0 +1,284 @@
+//! Liveness at the seams between processes: a lock that is free in Redis never stays untaken
+//! while another process's waiter sleeps. Other processes are told to stand aside only for a
+//! hand-off that landed; a release whose local taker cannot or will not take the lock is a
+//! release to everyone, with its wake-up.
+//!
+//! Each test has a waiter of manager B (as another process) whose fallback timer would fire
+//! in a day: only the release's wake-up can let it in within the test's bound.
+
+mod support;
+
+use std::time::Duration;
+
+use distlock::testing::RedisServer;
+use distlock::{LockError, LockGuard, LockManager};
+use support::{keys, manager, shared_server, unique_prefix};
+
+/// Far longer than any test: a waiter that sleeps this long was not woken.
+const NEVER: Duration = Duration::from_secs(24 * 3600);
+/// A lease only a release ends within the test.
+const LONG: Duration = Duration::from_secs(600);
+/// How long a woken waiter may take to get in (a loaded machine included).
+const SOON: Duration = Duration::from_secs(10);
+
+/// Waits until the server has a subscriber on `channel`.
+async fn subscribed(server: &RedisServer, channel: &str) {
+    let started = std::time::Instant::now();
+    loop {
+        let reply = server
+            .command(&["PUBSUB", "NUMSUB", channel])
+            .unwrap_or_default();
+        if reply.lines().nth(1).is_some_and(|n| n.trim() != "0") {
+            return;
+        }
+        assert!(
+            started.elapsed() < SOON,
+            "nobody subscribed to {channel}: {reply:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Waits until `locks` has a request queued for `key` (the head of its local queue, or one
+/// behind it).
+async fn queued(locks: &LockManager) {
+    let started = std::time::Instant::now();
+    while locks.stats().waiting_keys == 0 {
+        assert!(started.elapsed() < SOON, "the local waiter never queued");
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Waits until `locks` has a waiter ready to take a hand-off.
+async fn ready_for_handoff(locks: &LockManager) {
+    let started = std::time::Instant::now();
+    while locks.stats().ready_for_handoff == 0 {
+        assert!(started.elapsed() < SOON, "the local waiter never got ready");
+        tokio::task::yield_now().await;
+    }
+}
+
+/// A waiter of `locks` for the exclusive lock `key` that only a wake-up gets in soon.
+fn other_process_waits(
+    locks: &LockManager,
+    key: &'static str,
+) -> tokio::task::JoinHandle<Result<LockGuard, LockError>> {
+    let locks = locks.clone();
+    tokio::spawn(async move {
+        locks
+            .lock(key)
+            .ttl(LONG)
+            .retry_delay(NEVER)
+            .retries(5)
+            .acquire()
+            .await
+    })
+}
+
+/// B's waiter gets the lock within `SOON`: it was woken.
+async fn gets_in(
+    waiting: tokio::task::JoinHandle<Result<LockGuard, LockError>>,
+    what: &str,
+) -> LockGuard {
+    match tokio::time::timeout(SOON, waiting).await {
+        Ok(joined) => joined.unwrap().unwrap(),
+        Err(_) => panic!("{what}: the lock was free, and the other process's waiter slept on"),
+    }
+}
+
+/// Two managers on a fresh prefix of the shared server: A (`here`) and B (`there`).
+async fn two_processes(
+    test: &str,
+) -> (
+    std::sync::Arc<RedisServer>,
+    String,
+    LockManager,
+    LockManager,
+) {
+    let server = shared_server();
+    let prefix = unique_prefix(test);
+    let here = manager(&server, &prefix).await;
+    let there = manager(&server, &prefix).await;
+    (server, prefix, here, there)
+}
+
+#[tokio::test]
+async fn a_local_waiter_cancelled_as_the_lock_is_released_leaves_it_to_everyone() {
+    let (server, prefix, here, there) = two_processes("cancelled").await;
+    let held = here.lock("k").ttl(LONG).acquire().await.unwrap();
+    let b = other_process_waits(&there, "k");
+    subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    // A's own waiter for the same plain lock, ready to take a hand-off.
+    let local = {
+        let here = here.clone();
+        tokio::spawn(async move { here.lock("k").retry_delay(NEVER).retries(5).acquire().await })
+    };
+    ready_for_handoff(&here).await;
+    held.release().await.unwrap();
+    // This single-threaded runtime runs nothing else between the release's answer and the
+    // abort: the local waiter never takes what was handed to it.
+    local.abort();
+    assert!(local.await.unwrap_err().is_cancelled());
+    let guard = gets_in(b, "a local waiter cancelled at the hand-off").await;
+    guard.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_local_waiter_that_cannot_take_a_hand_off_and_is_cancelled_leaves_it_to_everyone() {
+    let (server, prefix, here, there) = two_processes("no-offer").await;
+    let held = here.lock("k").ttl(LONG).acquire().await.unwrap();
+    let b = other_process_waits(&there, "k");
+    subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    // A's own waiter wants a fencing token, which only the script gives: no hand-off.
+    let local = {
+        let here = here.clone();
+        tokio::spawn(async move {
+            here.lock("k")
+                .fencing(true)
+                .retry_delay(NEVER)
+                .retries(5)
+                .acquire()
+                .await
+        })
+    };
+    queued(&here).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    held.release().await.unwrap();
+    // This single-threaded runtime runs nothing else between the release's answer and the
+    // abort: the local waiter never takes its turn.
+    local.abort();
+    assert!(local.await.unwrap_err().is_cancelled());
+    let guard = gets_in(b, "a local waiter without an offer, cancelled").await;
+    guard.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_local_waiter_whose_wait_runs_out_at_the_release_leaves_it_to_everyone() {
+    let (server, prefix, here, there) = two_processes("ran-out").await;
+    let held = here.lock("k").ttl(LONG).acquire().await.unwrap();
+    let b = other_process_waits(&there, "k");
+    subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    // A's own waiter (a reader: it takes no hand-off) gives up at its deadline, which the
+    // release below meets: the release is answered, then the deadline passes before the
+    // waiter runs again.
+    let wait = Duration::from_millis(300);
+    let local = {
+        let here = here.clone();
+        tokio::spawn(async move {
+            here.read_lock("k")
+                .retry_delay(NEVER)
+                .wait(wait)
+                .acquire()
+                .await
+        })
+    };
+    queued(&here).await;
+    let started = std::time::Instant::now();
+    tokio::time::sleep(wait - Duration::from_millis(20)).await;
+    held.release().await.unwrap();
+    // Block this thread (the runtime's only one) past the waiter's deadline.
+    std::thread::sleep(
+        (started + wait + Duration::from_millis(30))
+            .saturating_duration_since(std::time::Instant::now()),
+    );
+    let outcome = local.await.unwrap();
+    let guard = gets_in(b, "a local waiter whose wait ran out").await;
+    if let Ok(read) = outcome {
+        panic!("the local reader got in ({read:?}) while the other process's writer held it");
+    }
+    guard.release().await.unwrap();
+}
+
+/// A's holder releases while A's next local waiter is a reader that B's waiting writer keeps
+/// out (its write intent): the reader cannot take the lock, so the release is to everyone.
+async fn reader_kept_out_by_another_process_writer(holder_kind: &str) {
+    let (server, prefix, here, there) = two_processes(holder_kind).await;
+    let held = match holder_kind {
+        "write" => here.write_lock("k").ttl(LONG).acquire().await.unwrap(),
+        _ => here.lock("k").ttl(LONG).acquire().await.unwrap(),
+    };
+    let writer = {
+        let there = there.clone();
+        tokio::spawn(async move {
+            there
+                .write_lock("k")
+                .ttl(LONG)
+                .retry_delay(NEVER)
+                .retries(5)
+                .acquire()
+                .await
+        })
+    };
+    subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    let intent = format!("{prefix}{{k}}:wi");
+    let started = std::time::Instant::now();
+    while server.command(&["EXISTS", &intent]).unwrap().trim() != ":1" {
+        assert!(started.elapsed() < SOON, "the writer left no intent");
+        tokio::task::yield_now().await;
+    }
+    let reader = {
+        let here = here.clone();
+        tokio::spawn(async move {
+            here.read_lock("k")
+                .ttl(LONG)
+                .retry_delay(NEVER)
+                .retries(5)
+                .acquire()
+                .await
+        })
+    };
+    queued(&here).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    held.release().await.unwrap();
+    let guard = gets_in(writer, "a local reader kept out by the write intent").await;
+    assert!(!reader.is_finished(), "a reader got in beside the writer");
+    guard.release().await.unwrap();
+    let read = gets_in(reader, "the reader after the writer").await;
+    read.release().await.unwrap();
+    assert!(keys(&server, &prefix).iter().all(|k| k.ends_with(":fence")));
+}
+
+#[tokio::test]
+async fn a_release_whose_local_reader_is_kept_out_wakes_the_other_process_writer() {
+    reader_kept_out_by_another_process_writer("exclusive").await;
+}
+
+#[tokio::test]
+async fn a_write_release_whose_local_reader_is_kept_out_wakes_the_other_process_writer() {
+    reader_kept_out_by_another_process_writer("write").await;
+}
+
+#[tokio::test]
+async fn a_release_of_a_key_a_local_set_waits_on_wakes_the_other_process() {
+    let (server, prefix, here, there) = two_processes("set").await;
+    let third = manager(&server, &prefix).await;
+    // `a` stays busy (another process holds it); A holds `b`.
+    let a = third.lock("a").ttl(LONG).acquire().await.unwrap();
+    let held = here.lock("b").ttl(LONG).acquire().await.unwrap();
+    let b = other_process_waits(&there, "b");
+    subscribed(&server, &format!("{prefix}{{b}}:wake")).await;
+    // A's set waits on `b` (its first busy key), and will move on to `a`.
+    let set = {
+        let here = here.clone();
+        tokio::spawn(async move {
+            here.lock_all(["b", "a"])
+                .ttl(LONG)
+                .retry_delay(Duration::from_millis(20))
+                .wait(Duration::from_secs(60))
+                .acquire()
+                .await
+        })
+    };
+    queued(&here).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    held.release().await.unwrap();
+    let guard = gets_in(b, "a local set waiting on the key").await;
+    assert!(!set.is_finished(), "the set got in while `b` was held");
+    guard.release().await.unwrap();
+    a.release().await.unwrap();
+    let all = match tokio::time::timeout(SOON, set).await {
+        Ok(joined) => joined.unwrap().unwrap(),
+        Err(_) => panic!("the set never got in"),
+    };
+    all.release().await.unwrap();
+}
