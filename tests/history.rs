@@ -13,7 +13,17 @@
 //! * every call ends: each await is bounded, and running past the bound is a violation;
 //! * `remaining()` never exceeds what the server has left of the lease (PTTL);
 //! * nothing is left at the end: no lock keys (fencing counters stay by design), no
-//!   subscribed channel, no local waiter, no lease under the watchdog.
+//!   subscribed channel, no local waiter, no lease under the watchdog;
+//! * liveness: a monitor samples every key while the programs run. A key that is free in
+//!   Redis while some request sleeps in `acquire()` for it, with nobody entering it, for
+//!   longer than `STARVED` (plus any injected fault window the stretch overlaps and a
+//!   recovery after it) is a violation;
+//! * steals: some programs have their own lock taken away while they hold it (a forced
+//!   release through the inspector, a `DEL` of the key, a lease run out by a pause past a
+//!   short `ttl`). The old holder's `extend`, `is_held` and (without faults) `release` must
+//!   not succeed afterwards, its `lost()` must fire, and no holder's lease in Redis may
+//!   outlast what its own owner asked for (a renewal or extend by a robbed holder would
+//!   prolong it).
 //!
 //! `cargo test --test history` runs a short budget on one server. The seed is printed, and
 //! `DISTLOCK_SEED=<n>` replays it. `DISTLOCK_HISTORY_LONG=<acquisitions>` (say 100000) runs
@@ -38,6 +48,14 @@ const KEYS: [&str; 3] = ["a", "b", "c"];
 const PERMITS: u32 = 2;
 /// No call may take longer than this: past it, the call counts as hung.
 const BOUND: Duration = Duration::from_secs(30);
+/// A key free in Redis while a request sleeps waiting for it, and nobody enters it, for longer
+/// than this (outside fault windows) is a liveness violation.
+const STARVED: Duration = Duration::from_millis(250);
+/// After an injected fault ends, connections and subscriptions take this long to recover: a
+/// free stretch that overlaps a fault window may last the window and this much longer.
+const RECOVERY: Duration = Duration::from_millis(1_500);
+/// How often the monitor samples each key.
+const SAMPLE: Duration = Duration::from_millis(15);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -106,6 +124,17 @@ struct State {
     /// master, which the topology does not promise to survive.
     void_before: Option<Instant>,
     excused: u64,
+    /// Requests sleeping in `acquire()` right now, by id: key, since when, who.
+    waiting: HashMap<u64, (String, Instant, String)>,
+    next_waiter: u64,
+    /// When a key was last entered.
+    last_entry: HashMap<String, Instant>,
+    /// Injected faults: from, until (`None` while it lasts).
+    fault_windows: Vec<(Instant, Option<Instant>)>,
+    /// The longest lease each live owner asked for (its holds' `ttl`, its extends).
+    lease_caps: HashMap<String, Duration>,
+    liveness_samples: u64,
+    steals: u64,
 }
 
 struct Holder {
@@ -114,6 +143,9 @@ struct Holder {
     kind: Kind,
     entered: Instant,
     valid_until: Instant,
+    /// Whether the key's PTTL is bounded by this owner's own requests (not for fair grants,
+    /// which may carry another manager's claim window).
+    capped: bool,
 }
 
 impl History {
@@ -141,7 +173,7 @@ impl History {
             "{:?} #{} {who} enters {key} as {kind:?} (owner {}, valid {:?})",
             now,
             state.next_id,
-            &owner[..8],
+            &owner[owner.len() - 8..],
             guard.remaining()
         );
         push_recent(&mut state, event);
@@ -167,7 +199,10 @@ impl History {
             live.iter()
                 .find(|(other, _)| !kind.overlaps(*other))
                 .map(|(other, o)| {
-                    format!("{kind:?} entered {key} while {other:?} {} held it", &o[..8])
+                    format!(
+                        "{kind:?} entered {key} while {other:?} {} held it",
+                        &o[o.len() - 8..]
+                    )
                 });
         if kind == Kind::Permit && conflict.is_none() {
             let mut owners: Vec<&String> = live.iter().map(|(_, o)| o).collect();
@@ -176,13 +211,16 @@ impl History {
             if owners.len() >= PERMITS as usize {
                 conflict = Some(format!(
                     "permit {} on {key} entered beside {} other holders (N = {PERMITS})",
-                    &owner[..8],
+                    &owner[owner.len() - 8..],
                     owners.len()
                 ));
             }
         }
         let id = state.next_id;
         state.next_id += 1;
+        state.last_entry.insert(key.to_owned(), now);
+        let cap = state.lease_caps.entry(owner.clone()).or_default();
+        *cap = (*cap).max(guard.ttl());
         state
             .holders
             .entry(key.to_owned())
@@ -193,6 +231,7 @@ impl History {
                 kind,
                 entered: now,
                 valid_until,
+                capped: matches!(kind, Kind::Exclusive | Kind::Write),
             });
         drop(state);
         if let Some(conflict) = conflict {
@@ -205,13 +244,41 @@ impl History {
         }
     }
 
+    /// A request starts sleeping in `acquire()` for `key`; it stops when this is dropped.
+    fn waits(self: &Arc<Self>, who: &str, key: &str) -> Waiting {
+        let mut state = self.lock();
+        let id = state.next_waiter;
+        state.next_waiter += 1;
+        state
+            .waiting
+            .insert(id, (key.to_owned(), Instant::now(), who.to_owned()));
+        Waiting {
+            history: self.clone(),
+            id,
+        }
+    }
+
+    /// The fault allowance of a free stretch from `from` to `to`: every fault window it
+    /// overlaps, and the recovery after it.
+    fn allowance(&self, from: Instant, to: Instant) -> Duration {
+        let state = self.lock();
+        state
+            .fault_windows
+            .iter()
+            .filter(|(start, end)| *start <= to && end.is_none_or(|end| end + RECOVERY >= from))
+            .map(|(start, end)| end.unwrap_or(to).saturating_duration_since(*start) + RECOVERY)
+            .sum()
+    }
+
     fn report(&self, seed: u64, topology: &str) {
         let state = self.lock();
         println!(
-            "history [{topology}] seed {seed}: {} acquisitions, {} lease checks, {} faults injected, \
-             {} violations{}",
+            "history [{topology}] seed {seed}: {} acquisitions, {} lease checks, {} steals, \
+             {} liveness samples, {} faults injected, {} violations{}",
             state.acquisitions,
             state.lease_checks,
+            state.steals,
+            state.liveness_samples,
             state.faults,
             state.violations.len(),
             match state.void_before {
@@ -244,6 +311,18 @@ fn push_recent(state: &mut State, event: String) {
     state.recent.push_back(event);
 }
 
+/// A request sleeping in `acquire()`, for the liveness monitor.
+struct Waiting {
+    history: Arc<History>,
+    id: u64,
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.history.lock().waiting.remove(&self.id);
+    }
+}
+
 /// Being inside a critical section. Dropped (exit recorded) before the guard is released or
 /// dropped: declare it after the guard.
 struct Entry {
@@ -267,11 +346,45 @@ impl Entry {
     }
 }
 
+impl Entry {
+    /// The owner asked for a lease of `ttl` (an extend): its key may live that long.
+    fn extended(&self, guard: &LockGuard, ttl: Duration) {
+        let mut state = self.history.lock();
+        let cap = state
+            .lease_caps
+            .entry(guard.token().to_owned())
+            .or_default();
+        *cap = (*cap).max(ttl);
+    }
+
+    /// The key's lease is not this owner's alone to bound (a fair grant).
+    fn uncapped(&self) {
+        let mut state = self.history.lock();
+        if let Some(holder) = state
+            .holders
+            .get_mut(&self.key)
+            .and_then(|hs| hs.iter_mut().find(|h| h.id == self.id))
+        {
+            holder.capped = false;
+        }
+    }
+}
+
 impl Drop for Entry {
     fn drop(&mut self) {
         let mut state = self.history.lock();
+        let mut owner = None;
         if let Some(holders) = state.holders.get_mut(&self.key) {
+            owner = holders
+                .iter()
+                .find(|h| h.id == self.id)
+                .map(|h| h.owner.clone());
             holders.retain(|h| h.id != self.id);
+        }
+        if let Some(owner) = owner
+            && !state.holders.values().flatten().any(|h| h.owner == owner)
+        {
+            state.lease_caps.remove(&owner);
         }
         let event = format!("{:?} #{} leaves {}", Instant::now(), self.id, self.key);
         push_recent(&mut state, event);
@@ -286,6 +399,69 @@ struct World {
     features: Features,
     /// A raw connection reaches the lease keys (not on RedLock or Cluster).
     check_leases: bool,
+    /// Reaches the lock keys themselves, for the liveness monitor and for steals.
+    probe: Probe,
+}
+
+/// Raw connections to where the lock keys live.
+#[derive(Clone)]
+enum Probe {
+    /// One server (or Sentinel's master).
+    One(redis::aio::MultiplexedConnection),
+    /// Cluster masters: the one that owns a key answers, the others redirect.
+    Cluster(Vec<redis::aio::MultiplexedConnection>),
+    /// RedLock's independent masters.
+    Masters(Vec<redis::aio::MultiplexedConnection>),
+}
+
+impl Probe {
+    fn connections(&self) -> &[redis::aio::MultiplexedConnection] {
+        match self {
+            Self::One(conn) => std::slice::from_ref(conn),
+            Self::Cluster(conns) | Self::Masters(conns) => conns,
+        }
+    }
+
+    /// `cmd key` on every connection, each bounded; the answers that came.
+    async fn ask(&self, cmd: &str, key: &str) -> Vec<i64> {
+        let asks = self.connections().iter().map(|conn| {
+            let mut conn = conn.clone();
+            let mut command = redis::cmd(cmd);
+            command.arg(key);
+            async move {
+                let answer = tokio::time::timeout(
+                    Duration::from_millis(200),
+                    command.query_async::<i64>(&mut conn),
+                )
+                .await;
+                answer.ok().and_then(Result::ok)
+            }
+        });
+        futures_util::future::join_all(asks)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    /// What the server has left of the lock's lease (-2: no key), if it can be told: on
+    /// RedLock, the longest any master has, and only when a majority answered.
+    async fn pttl(&self, key: &str) -> Option<i64> {
+        let answers = self.ask("PTTL", key).await;
+        match self {
+            Self::One(_) | Self::Cluster(_) => answers.first().copied(),
+            Self::Masters(conns) if answers.len() * 2 > conns.len() => answers.into_iter().max(),
+            Self::Masters(_) => None,
+        }
+    }
+
+    /// Deletes the lock key wherever it is: whether any copy was deleted.
+    async fn del(&self, key: &str) -> bool {
+        self.ask("DEL", key)
+            .await
+            .iter()
+            .any(|deleted| *deleted > 0)
+    }
 }
 
 impl World {
@@ -380,7 +556,11 @@ impl Plan {
             kind,
             key: KEYS[rng.usize(..KEYS.len())],
             ttl: Duration::from_millis(ttl),
-            wait: rng.bool().then(|| Duration::from_millis(rng.u64(1..300))),
+            // Some requests wait long: long enough to see a free lock left untaken.
+            wait: rng.bool().then(|| match rng.u8(..5) {
+                0 => Duration::from_millis(rng.u64(300..1_500)),
+                _ => Duration::from_millis(rng.u64(1..300)),
+            }),
             fencing,
             watchdog: rng.u8(..4) == 0,
             min_hold,
@@ -434,13 +614,19 @@ async fn take(
 ) -> Option<(LockGuard, Entry)> {
     let attempt = plan.request(locks);
     let result = if plan.wait.is_some() {
-        world.bounded("acquire", attempt.acquire()).await?.map(Some)
+        let waiting = world.history.waits(&format!("{who} {plan:?}"), plan.key);
+        let result = world.bounded("acquire", attempt.acquire()).await;
+        drop(waiting);
+        result?.map(Some)
     } else {
         world.bounded("try_acquire", attempt.try_acquire()).await?
     };
     match result {
         Ok(Some(guard)) => {
             let entry = world.history.enter(who, plan.key, plan.held_as(), &guard);
+            if plan.fair {
+                entry.uncapped();
+            }
             world
                 .check_lease(locks, plan.key, plan.held_as(), &guard)
                 .await;
@@ -520,12 +706,15 @@ async fn program(world: World, locks: LockManager, who: String, seed: u64, ops: 
     for _ in 0..ops {
         let plan = Plan::random(&mut rng, world.features);
         match rng.u8(..100) {
+            // A hold taken away from its holder.
+            0..=4 => robbed(&world, &locks, &who, plan, &mut rng, faults).await,
             // A plain hold, maybe extended.
-            0..=44 => {
+            5..=44 => {
                 if let Some((guard, entry)) = take(&world, &locks, &who, plan, faults).await {
                     work(&guard, &entry, &mut rng).await;
                     if rng.u8(..4) == 0 {
                         let ttl = Duration::from_millis(rng.u64(1..3_000));
+                        entry.extended(&guard, ttl);
                         if let Some(Err(error)) = world.bounded("extend", guard.extend(ttl)).await
                             && !expected(&error, faults)
                         {
@@ -669,6 +858,198 @@ async fn program(world: World, locks: LockManager, who: String, seed: u64, ops: 
     }
 }
 
+/// Takes an exclusive or write lock with a short lease, has it taken away (a forced release
+/// through the inspector, a `DEL`, or a pause past the lease), and checks that the robbed
+/// holder learns of it and changes nothing any more.
+async fn robbed(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: Plan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let kind = if world.features.shared_kinds && rng.bool() {
+        Kind::Write
+    } else {
+        Kind::Exclusive
+    };
+    let plan = Plan {
+        kind,
+        ttl: Duration::from_millis(rng.u64(150..400)),
+        wait: Some(Duration::from_millis(rng.u64(1..300))),
+        min_hold: None,
+        fair: false,
+        reentrant: false,
+        downgrade: false,
+        ..plan
+    };
+    let Some((guard, entry)) = take(world, locks, who, plan, faults).await else {
+        return;
+    };
+    let how = if plan.watchdog {
+        rng.u8(..2)
+    } else {
+        rng.u8(..3)
+    };
+    let stolen = match how {
+        0 => {
+            // Out of the history first: whoever enters after the steal is no overlap.
+            drop(entry);
+            matches!(
+                world
+                    .bounded("force_release", locks.force_release(plan.key))
+                    .await,
+                Some(Ok(Some(_)))
+            )
+        }
+        1 => {
+            drop(entry);
+            world.probe.del(&locks.redis_key(plan.key)).await
+        }
+        _ => {
+            // A pause past the lease: the key expires under its holder.
+            tokio::time::sleep(guard.ttl() + Duration::from_millis(20)).await;
+            drop(entry);
+            true
+        }
+    };
+    if !stolen {
+        // The steal did not happen (a fault, or the lock was already gone): leave quietly.
+        let _ = world.bounded("release", guard.release()).await;
+        return;
+    }
+    {
+        let mut state = world.history.lock();
+        state.steals += 1;
+        let event = format!("{:?} {who} robbed of {} ({how})", Instant::now(), plan.key);
+        push_recent(&mut state, event);
+    }
+    // Someone else may take the lock meanwhile.
+    tokio::time::sleep(Duration::from_millis(rng.u64(0..30))).await;
+    if rng.bool()
+        && let Some(Ok(())) = world
+            .bounded(
+                "extend",
+                guard.extend(Duration::from_millis(rng.u64(100..3_000))),
+            )
+            .await
+    {
+        world.history.violation(format!(
+            "steal: {who}'s extend of {} succeeded after the lock was taken away",
+            plan.key
+        ));
+    }
+    if rng.bool()
+        && let Some(Ok(true)) = world.bounded("is_held", guard.is_held()).await
+    {
+        world.history.violation(format!(
+            "steal: {who}'s is_held on {} said yes after the lock was taken away",
+            plan.key
+        ));
+    }
+    // The loss shows, with the watchdog at its next renewal, without it when the lease ends.
+    if rng.bool() {
+        let bound = guard.ttl() * 2 + Duration::from_secs(2);
+        if tokio::time::timeout(bound, guard.lost()).await.is_err() {
+            world.history.violation(format!(
+                "steal: {who}'s lost() on {} did not fire within {bound:?} of the lock being taken away",
+                plan.key
+            ));
+        }
+    }
+    match rng.u8(..3) {
+        0 => drop(guard),
+        _ => {
+            if let Some(Ok(())) = world.bounded("release", guard.release()).await
+                && !faults
+            {
+                world.history.violation(format!(
+                    "steal: {who}'s release of {} succeeded after the lock was taken away",
+                    plan.key
+                ));
+            }
+        }
+    }
+}
+
+/// Samples every key until `stop`: a key free in Redis, entered by nobody, while a request
+/// sleeps waiting for it, for longer than `STARVED` plus the fault allowance, is a liveness
+/// violation; an exclusive holder's key whose lease outlasts what its owner asked for, a
+/// lease violation.
+async fn monitor(world: World, locks: LockManager, stop: Arc<tokio::sync::Notify>) {
+    let mut free_since: HashMap<&str, Instant> = HashMap::new();
+    let stopped = stop.notified();
+    tokio::pin!(stopped);
+    loop {
+        tokio::select! {
+            () = &mut stopped => return,
+            () = tokio::time::sleep(SAMPLE) => {}
+        }
+        for key in KEYS {
+            let sampled = Instant::now();
+            let pttl = world.probe.pttl(&locks.redis_key(key)).await;
+            let now = Instant::now();
+            let mut state = world.history.lock();
+            state.liveness_samples += 1;
+            // Prolonged leases: the key outlives what every live exclusive owner asked for.
+            let capped: Vec<(String, Duration)> = state
+                .holders
+                .get(key)
+                .into_iter()
+                .flatten()
+                .filter(|h| h.capped && h.valid_until > now && h.entered < sampled)
+                .map(|h| {
+                    (
+                        h.owner.clone(),
+                        state.lease_caps.get(&h.owner).copied().unwrap_or_default(),
+                    )
+                })
+                .collect();
+            if let (Some(pttl), Some((owner, cap))) = (pttl, capped.first())
+                && capped.iter().all(|(o, _)| o == owner)
+                && !matches!(world.probe, Probe::Masters(_))
+                && u128::try_from(pttl).is_ok_and(|ms| ms > cap.as_millis() + 50)
+            {
+                let what = format!(
+                    "lease: {key}'s PTTL is {pttl} ms while its holder {} asked for at most {cap:?}",
+                    &owner[owner.len() - 8..]
+                );
+                drop(state);
+                world.history.violation(what);
+                state = world.history.lock();
+            }
+            let oldest_waiter = state
+                .waiting
+                .values()
+                .filter(|(k, _, _)| k == key)
+                .min_by_key(|(_, since, _)| *since)
+                .map(|(_, since, who)| (*since, who.clone()));
+            let (Some(-2), Some((waiting_since, who))) = (pttl, oldest_waiter) else {
+                free_since.remove(key);
+                continue;
+            };
+            let free = *free_since.entry(key).or_insert(sampled);
+            let last_entry = state.last_entry.get(key).copied();
+            drop(state);
+            let from = [Some(free), Some(waiting_since), last_entry]
+                .into_iter()
+                .flatten()
+                .max()
+                .unwrap_or(free);
+            let starved = now.saturating_duration_since(from);
+            if starved > STARVED && starved > STARVED + world.history.allowance(from, now) {
+                world.history.violation(format!(
+                    "liveness: {key} free in Redis for {starved:?}, entered by nobody, while {who} \
+                     waited for it (since {:?} ago)",
+                    waiting_since.elapsed()
+                ));
+                free_since.remove(key);
+            }
+        }
+    }
+}
+
 /// Builds a runtime, has its tasks take `plan` and hold it, and drops the runtime under them.
 async fn shut_down_a_runtime(
     world: &World,
@@ -715,6 +1096,8 @@ struct Run {
 /// Runs the programs of `run` over `managers` (built by the caller), then shuts the managers
 /// down and checks that nothing is left.
 async fn run_programs(seed: u64, world: &World, managers: &[LockManager], run: &Run, faults: bool) {
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let watching = tokio::spawn(monitor(world.clone(), managers[0].clone(), stop.clone()));
     let mut tasks = tokio::task::JoinSet::new();
     for (m, locks) in managers.iter().enumerate() {
         for t in 0..run.tasks {
@@ -737,6 +1120,8 @@ async fn run_programs(seed: u64, world: &World, managers: &[LockManager], run: &
                 .violation(format!("a program task failed: {error}"));
         }
     }
+    stop.notify_one();
+    let _ = watching.await;
 }
 
 /// After every task has ended: managers shut down, and nothing may be left behind.
@@ -841,6 +1226,14 @@ async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
         .unwrap()
 }
 
+async fn raws(urls: impl Iterator<Item = String>) -> Vec<redis::aio::MultiplexedConnection> {
+    let mut conns = Vec::new();
+    for url in urls {
+        conns.push(raw(&url).await);
+    }
+    conns
+}
+
 /// Runs rounds of programs until `target` acquisitions, with `fault` injecting faults in
 /// the background, then checks that nothing is left.
 async fn rounds(
@@ -897,6 +1290,7 @@ async fn random_programs_keep_every_guarantee() {
             short_leases: false,
         },
         check_leases: true,
+        probe: Probe::One(raw(&server.url()).await),
     };
     let run = Run {
         managers: managers.len(),
@@ -922,8 +1316,14 @@ fn faults_in_background(
             if stop.load(Ordering::Relaxed) {
                 break;
             }
+            let index = {
+                let mut state = history.lock();
+                state.faults += 1;
+                state.fault_windows.push((Instant::now(), None));
+                state.fault_windows.len() - 1
+            };
             inject(&mut rng);
-            history.lock().faults += 1;
+            history.lock().fault_windows[index].1 = Some(Instant::now());
         }
     })
 }
@@ -979,6 +1379,7 @@ async fn single_with_faults(seed: u64, target: u64, run: &Run) {
             short_leases: false,
         },
         check_leases: true,
+        probe: Probe::One(raw(&server.url()).await),
     };
     let stop = Arc::new(AtomicBool::new(false));
     let (s, p) = (server.clone(), proxy.clone());
@@ -1044,6 +1445,7 @@ async fn sentinel_with_faults(seed: u64, target: u64, run: &Run) {
             short_leases: false,
         },
         check_leases: true,
+        probe: Probe::One(raw(&master.url()).await),
     };
     let stop = Arc::new(AtomicBool::new(false));
     let (m, history) = (master.clone(), world.history.clone());
@@ -1093,6 +1495,7 @@ async fn cluster_with_faults(seed: u64, target: u64, run: &Run) {
         },
         // A raw single-node connection would be redirected: leases are checked elsewhere.
         check_leases: false,
+        probe: Probe::Cluster(raws(nodes.iter().map(|n| n.url())).await),
     };
     let stop = Arc::new(AtomicBool::new(false));
     let paused = nodes.clone();
@@ -1139,6 +1542,7 @@ async fn redlock_with_faults(seed: u64, target: u64, run: &Run) {
             short_leases: true,
         },
         check_leases: false,
+        probe: Probe::Masters(raws(masters.iter().map(|m| m.url())).await),
     };
     let stop = Arc::new(AtomicBool::new(false));
     let faulted = masters.clone();

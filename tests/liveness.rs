@@ -282,3 +282,50 @@ async fn a_release_of_a_key_a_local_set_waits_on_wakes_the_other_process() {
     };
     all.release().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_writer_that_gives_up_takes_back_the_intent_that_kept_readers_out() {
+    let (server, prefix, here, there) = two_processes("intent").await;
+    // Readers inside: a writer must wait, and its intent keeps new readers out meanwhile.
+    let inside = here.read_lock("k").ttl(LONG).acquire().await.unwrap();
+    let intent = format!("{prefix}{{k}}:wi");
+    let writer = {
+        let there = there.clone();
+        tokio::spawn(async move {
+            there
+                .write_lock("k")
+                .ttl(LONG)
+                .retry_delay(NEVER)
+                .wait(Duration::from_millis(300))
+                .acquire()
+                .await
+        })
+    };
+    let started = std::time::Instant::now();
+    while server.command(&["EXISTS", &intent]).unwrap().trim() != ":1" {
+        assert!(started.elapsed() < SOON, "the writer left no intent");
+        tokio::task::yield_now().await;
+    }
+    // A reader of a third process finds the intent and sleeps; only a wake-up lets it in
+    // before the intent (as long as the writer's lease) expires.
+    let third = manager(&server, &prefix).await;
+    let reader = tokio::spawn(async move {
+        third
+            .read_lock("k")
+            .ttl(LONG)
+            .retry_delay(NEVER)
+            .retries(5)
+            .acquire()
+            .await
+    });
+    subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    assert!(matches!(writer.await.unwrap(), Err(LockError::Busy { .. })));
+    let read = gets_in(
+        reader,
+        "a reader behind the intent of a writer that gave up",
+    )
+    .await;
+    assert_eq!(server.command(&["EXISTS", &intent]).unwrap().trim(), ":0");
+    read.release().await.unwrap();
+    inside.release().await.unwrap();
+}

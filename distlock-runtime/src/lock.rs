@@ -527,6 +527,13 @@ async fn wait(
         request: &request,
         maybe_held: first.as_ref().is_some_and(|first| first.maybe_held),
     };
+    // Declared after `in_flight`, so dropped before it: a withdrawal never overtakes the
+    // release of a write lock an unanswered attempt may hold.
+    let mut intent = Intent {
+        manager,
+        request: &request,
+        left: false,
+    };
     let give_up = |attempts, failure: Option<redis::RedisError>| match failure {
         // The last word decides: a failure to reach Redis is not reported as "busy".
         Some(error) => LockError::redis(&plan.keys.name, error),
@@ -592,6 +599,7 @@ async fn wait(
                 () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
             };
             if let Some(handed) = handed {
+                drop(intent);
                 drop(in_flight);
                 let taken = Taken {
                     attempts,
@@ -636,6 +644,7 @@ async fn wait(
                     () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
                 };
                 if let Some(handed) = handed {
+                    drop(intent);
                     drop(in_flight);
                     let taken = Taken {
                         attempts,
@@ -652,9 +661,13 @@ async fn wait(
                 Some(first) => (first.sent, first.outcome),
                 None => send_attempt(manager, &plan, &request, &mut in_flight).await?,
             };
+            if let Ok(attempt) = &outcome {
+                intent.answered(attempt);
+            }
             let holder_ttl = match outcome {
                 Ok(Attempt::Held { fence }) => {
                     in_flight.maybe_held = false;
+                    drop(intent);
                     drop(in_flight);
                     if let (true, Some(ticket)) = (hand_off, &ticket) {
                         ticket.holding(saturating_add(sent, plan.ttl));
@@ -748,6 +761,7 @@ async fn wait(
             () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
         };
         if let Some(handed) = handed {
+            drop(intent);
             drop(in_flight);
             let taken = Taken {
                 attempts,
@@ -1195,6 +1209,49 @@ struct InFlight<'a> {
     manager: &'a LockManager,
     request: &'a AcquireRequest,
     maybe_held: bool,
+}
+
+/// A writer refused while it may try again leaves an intent that keeps new readers out (see
+/// `write_acquire.lua`). One that stops waiting without the lock — it gives up, fails, or is
+/// cancelled — takes its intent back at once from the manager's runtime, which wakes the
+/// readers it kept out: a free lock does not stay closed to them until the intent expires.
+struct Intent<'a> {
+    manager: &'a LockManager,
+    request: &'a AcquireRequest,
+    /// An intent of this request may be in Redis.
+    left: bool,
+}
+
+impl Intent<'_> {
+    /// Notes what an attempt's answer means for the intent.
+    fn answered(&mut self, attempt: &Attempt) {
+        if let Shape::Write { intent_lease, .. } = &self.request.shape {
+            // A writer granted the lock took its own intent back in the same script.
+            self.left = matches!(attempt, Attempt::Busy { .. }) && !intent_lease.is_zero();
+        }
+    }
+}
+
+impl Drop for Intent<'_> {
+    fn drop(&mut self) {
+        let Shape::Write { intent, .. } = &self.request.shape else {
+            return;
+        };
+        if !self.left {
+            return;
+        }
+        let inner = self.manager.inner.clone();
+        let (intent, wake, token) = (
+            intent.clone(),
+            self.request.wake.clone(),
+            self.request.token.clone(),
+        );
+        self.manager.inner.driver.spawn(async move {
+            if let Err(error) = inner.backend.withdraw_intent(&intent, &wake, &token).await {
+                tracing::debug!(%error, "a write intent could not be taken back; it expires");
+            }
+        });
+    }
 }
 
 impl Drop for InFlight<'_> {

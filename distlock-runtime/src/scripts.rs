@@ -69,6 +69,11 @@ pub(crate) static WRITE_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     ))
 });
 
+/// Take back a waiting writer's intent if it is still that writer's, and wake the readers
+/// it kept out: 1 taken back, 0 not its intent.
+pub(crate) static WITHDRAW_INTENT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("scripts/withdraw_intent.lua")));
+
 /// Take a read share or a semaphore permit: `{1, fence}`, `{0, pttl}`, or `{-1, permits}`
 /// when the semaphore is in use with another number of permits.
 pub(crate) static SHARE_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
@@ -103,9 +108,10 @@ pub(crate) static MULTI_RELEASE: LazyLock<Script> = LazyLock::new(|| {
 });
 
 /// Every script, for loading them all when a manager connects.
-pub(crate) fn all() -> [&'static Script; 12] {
+pub(crate) fn all() -> [&'static Script; 13] {
     [
         &UNLOCK,
+        &WITHDRAW_INTENT,
         &FAIR,
         &HANDOFF,
         &ACQUIRE,
@@ -302,6 +308,22 @@ impl Unlock<'_> {
             .arg(whole_millis(self.keep))
             .arg(self.message);
         cmd
+    }
+}
+
+/// A call of `withdraw_intent.lua`: the write intent `intent` of `token`, and the lock's
+/// `wake` channel.
+pub(crate) struct WithdrawIntent<'a> {
+    pub(crate) intent: &'a str,
+    pub(crate) wake: &'a str,
+    pub(crate) token: &'a str,
+}
+
+impl WithdrawIntent<'_> {
+    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
+        let mut call = WITHDRAW_INTENT.key(self.intent);
+        call.key(self.wake).arg(self.token);
+        call
     }
 }
 

@@ -225,6 +225,19 @@ impl Backend {
             masters => masters.holds(lock, share, token).await)
     }
 
+    /// Takes back a waiting writer's intent (see [`Node::withdraw_intent`]). RedLock has no
+    /// read-write locks, hence no intents.
+    pub(crate) async fn withdraw_intent(
+        &self,
+        intent: &str,
+        wake: &str,
+        token: &str,
+    ) -> RedisResult<bool> {
+        each!(self,
+            node => node.withdraw_intent(intent, wake, token).await,
+            _masters => Ok(false))
+    }
+
     /// One attempt at a set of locks taken together.
     pub(crate) async fn acquire_set(&self, req: &SetRequest) -> RedisResult<SetAttempt> {
         each!(self,

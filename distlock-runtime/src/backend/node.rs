@@ -1008,6 +1008,25 @@ impl Node {
         }
     }
 
+    /// Takes back the write intent `intent` of `token` and wakes the lock's waiters, if the
+    /// intent is still that writer's: whether it was.
+    pub(crate) async fn withdraw_intent(
+        &self,
+        intent: &str,
+        wake: &str,
+        token: &str,
+    ) -> RedisResult<bool> {
+        let mut conn = self.conn().await?;
+        let call = scripts::WithdrawIntent {
+            intent,
+            wake,
+            token,
+        }
+        .call();
+        let withdrawn: i64 = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
+        Ok(withdrawn == 1)
+    }
+
     pub(super) fn bounded<T>(
         &self,
         op: impl Future<Output = RedisResult<T>>,
