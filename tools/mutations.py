@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Plants realistic bugs one at a time and checks that the tests catch each.
+
+Each mutation edits the Lua scripts or the Rust waiting and hand-off code, then runs the
+history checker's short mode (`cargo test --test history`) and the test file that owns the
+code. A mutation is caught when either fails (or runs past its time limit). The tree is
+restored after each one, whatever happens.
+
+    python3 tools/mutations.py               # every mutation (about an hour on 2 cores)
+    python3 tools/mutations.py unlock renew  # those whose name contains any of the words
+
+Not part of CI: too long. Prints a Markdown table: mutation, caught by, time.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RT = "distlock-runtime/src/"
+LUA = RT + "scripts/"
+LIMIT = 420  # seconds per test run; past it the run counts as failed (a hang)
+
+# name, owning test file, [(file, text, replacement), ...]
+MUTATIONS = [
+    # --- Lua: owner checks
+    ("unlock.lua: owner check becomes a key-exists check", "exclusive",
+     [(LUA + "unlock.lua", "if value ~= ARGV[1] then", "if not value then")]),
+    ("renew.lua (held_by): owner check becomes a key-exists check", "leases",
+     [(LUA + "held_by.lua", "return redis.call('get', key) == token", "return true")]),
+    ("held_by.lua: a hash holder's token is not checked", "kinds",
+     [(LUA + "held_by.lua", "return redis.call('hexists', key, token) == 1", "return true")]),
+    ("extend.lua: owner check removed", "leases",
+     [(LUA + "extend.lua", "if not held_by(lock, token) then", "if false then")]),
+    ("handoff.lua: owner check removed", "handoff",
+     [(LUA + "handoff.lua", "if redis.pcall('get', KEYS[1]) ~= ARGV[1] then", "if false then")]),
+    ("release_hold.lua: owner check removed", "kinds",
+     [(LUA + "release_hold.lua", "if count == 0 or (mode and mode ~= 'write') then",
+       "if mode and mode ~= 'write' then")]),
+    # --- Lua: kind checks (the compatibility matrix)
+    ("write_acquire.lua: readers inside do not keep a writer out", "shared",
+     [(LUA + "write_acquire.lua", "if not free_of_dead_shares(lock, kind) then",
+       "if false then")]),
+    ("share_acquire.lua: another kind does not keep a share out", "shared",
+     [(LUA + "share_acquire.lua", "if current ~= nil and current ~= mode then",
+       "if false then")]),
+    ("share_acquire.lua: permits counted one too many", "shared",
+     [(LUA + "share_acquire.lua", "elseif held >= limit then", "elseif held > limit then")]),
+    ("acquire.lua: another kind's hash is re-entered", "kinds",
+     [(LUA + "acquire.lua", "kind ~= 'exclusive'", "false")]),
+    ("write_acquire.lua: re-enters any kind", "shared",
+     [(LUA + "write_acquire.lua", "if kind ~= 'exclusive' and kind ~= 'write' then",
+       "if false then")]),
+    # --- Lua: wake-ups
+    ("unlock.lua: no PUBLISH on release", "waiting",
+     [(LUA + "unlock.lua", "return 1 + redis.call('publish', KEYS[2], ARGV[3])", "return 1")]),
+    ("release_hold.lua: no PUBLISH on release", "waiting",
+     [(LUA + "release_hold.lua", "    redis.call('publish', wake, '')\n", "")]),
+    ("share_release.lua: no PUBLISH on release", "shared",
+     [(LUA + "share_release.lua", "redis.call('publish', KEYS[3], '')", "")]),
+    ("fair.lua: a grant is not announced", "fair",
+     [(LUA + "fair.lua", "  redis.call('publish', wake, '=' .. owner)\n", "")]),
+    ("withdraw_intent.lua: no PUBLISH", "liveness",
+     [(LUA + "withdraw_intent.lua", "redis.call('publish', KEYS[2], '')", "")]),
+    # --- Lua: expiry arguments
+    ("extend.lua: the lease is not applied", "leases",
+     [(LUA + "extend.lua", "if redis.call('pttl', lock) < lease then\n  redis.call('pexpire', lock, lease)\nend",
+       "")]),
+    ("renew.lua: a share's lock is renewed without its share", "shared",
+     [(LUA + "renew.lua", "    if redis.call('pttl', share) < lease then\n      redis.call('pexpire', share, lease)\n    end\n", "")]),
+    ("handoff.lua: the next owner gets ten times its lease", "handoff",
+     [(LUA + "handoff.lua", "redis.call('set', KEYS[1], ARGV[2], 'px', ARGV[3])",
+       "redis.call('set', KEYS[1], ARGV[2], 'px', ARGV[3] * 10)")]),
+    ("write_acquire.lua: the write lock gets ten times its lease", "shared",
+     [(LUA + "write_acquire.lua", "    redis.call('hset', lock, 'mode', 'write', token, 1)\n  end\n  redis.call('pexpire', lock, lease)",
+       "    redis.call('hset', lock, 'mode', 'write', token, 1)\n  end\n  redis.call('pexpire', lock, lease * 10)")]),
+    # --- Rust: the stand-aside rule, deadlines, cancellation, hand-offs
+    ("waiters: a release stands other processes aside for any local head (the old rule)", "liveness",
+     "revert:6076446:distlock-runtime"),
+    ("lock: a writer that gives up leaves its intent", "liveness",
+     [(RT + "lock.rs", "            self.left = matches!(attempt, Attempt::Busy { .. }) && !intent_lease.is_zero();",
+       "            self.left = false && matches!(attempt, Attempt::Busy { .. }) && !intent_lease.is_zero();")]),
+    ("guard: a hand-off whose taker is gone is not released", "handoff",
+     [(RT + "guard.rs", "        if let Some((inner, ids)) = self.unclaimed.take() {\n            release_in_background(&inner, ids, None);",
+       "        if let Some((_inner, _ids)) = self.unclaimed.take() {")]),
+    ("waiters: a leaving head does not tell the next one", "waiting",
+     [(RT + "waiters.rs", "        if was_head {\n            self.key.head_changed.notify_waiters();\n        }", "")]),
+    ("waiters: a release does not wake the local head", "waiting",
+     [(RT + "waiters.rs", "        self.wakes.fetch_add(1, Ordering::AcqRel);\n        self.wake.notify_one();",
+       "")]),
+    ("lock: a waiter ignores its deadline after a wake-up", "waiting",
+     [(RT + "lock.rs", "        if deadline.is_some_and(|d| d <= Instant::now()) {\n            return Err(give_up(attempts, last_word(&ticket, &failure)));\n        }\n    }\n}",
+       "    }\n}")]),
+    ("lock: a cancelled attempt leaves its lock behind", "lifecycle",
+     [(RT + "lock.rs", "        if self.maybe_held {\n            let ids = self.request.hold_ids();",
+       "        if false && self.maybe_held {\n            let ids = self.request.hold_ids();")]),
+    ("waiters: a run of hand-offs never ends", "handoff",
+     [(RT + "waiters.rs", "if *count >= CHAIN || now.duration_since(*since) >= SLICE.min(lease / 10) {",
+       "if false {")]),
+    ("lease: a failed renewal is not marked lost", "leases",
+     [(RT + "watchdog.rs", "crate::metrics::Renewal::Lost);\n                        lease.state.mark_lost();",
+       "crate::metrics::Renewal::Lost);")]),
+]
+
+
+def run(args, env=None, limit=LIMIT):
+    started = time.time()
+    try:
+        done = subprocess.run(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=limit)
+        ok = done.returncode == 0
+    except subprocess.TimeoutExpired:
+        ok = False
+    return ok, time.time() - started
+
+
+def cargo_test(name):
+    return run(["cargo", "test", "--all-features", "--test", name])
+
+
+def apply(edits):
+    """Applies `edits`; returns the originals to restore, or raises if one does not apply."""
+    if isinstance(edits, str):
+        _, commit, path = edits.split(":")
+        patch = subprocess.run(["git", "diff", f"{commit}^", commit, "--", path], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout
+        subprocess.run(["git", "apply", "-R"], cwd=ROOT, input=patch, text=True, check=True)
+        return ("git", path)
+    saved = {}
+    for file, text, replacement in edits:
+        path = ROOT / file
+        source = saved.get(file) or path.read_text()
+        saved.setdefault(file, source)
+        current = path.read_text()
+        if current.count(text) != 1:
+            raise ValueError(f"{file}: the text to mutate occurs {current.count(text)} times")
+        path.write_text(current.replace(text, replacement))
+    return saved
+
+
+def restore(saved):
+    if isinstance(saved, tuple):
+        subprocess.run(["git", "checkout", "--", saved[1]], cwd=ROOT, check=True)
+        return
+    for file, source in saved.items():
+        (ROOT / file).write_text(source)
+
+
+def main():
+    words = sys.argv[1:]
+    chosen = [m for m in MUTATIONS if not words or any(w in m[0] for w in words)]
+    print("baseline: the unmutated tree must pass", flush=True)
+    for name in sorted({"history"} | {m[1] for m in chosen}):
+        ok, _ = cargo_test(name)
+        if not ok:
+            sys.exit(f"baseline: tests/{name}.rs fails without any mutation")
+    rows = []
+    for name, owner, edits in chosen:
+        saved = apply(edits)
+        try:
+            started = time.time()
+            run(["cargo", "build", "--all-features", "--tests"], limit=900)
+            caught = []
+            for test in ["history", owner]:
+                ok, _ = cargo_test(test)
+                if not ok:
+                    caught.append(f"tests/{test}.rs")
+            elapsed = time.time() - started
+        finally:
+            restore(saved)
+        verdict = ", ".join(caught) if caught else "NOT CAUGHT"
+        rows.append((name, verdict, elapsed))
+        print(f"| {name} | {verdict} | {elapsed:.0f} s |", flush=True)
+    print()
+    print("| mutation | caught by | time |")
+    print("|---|---|---|")
+    for name, verdict, elapsed in rows:
+        print(f"| {name} | {verdict} | {elapsed:.0f} s |")
+    missed = [r for r in rows if r[1] == "NOT CAUGHT"]
+    print(f"\n{len(rows) - len(missed)} of {len(rows)} mutations caught")
+    sys.exit(1 if missed else 0)
+
+
+if __name__ == "__main__":
+    main()
