@@ -13,6 +13,15 @@ use support::logs::Logs;
 const SECRET: &str = "Pa55-SECRET-word";
 const WRONG: &str = "Wr0ng-SECRET-guess";
 const KEY_MATERIAL: &str = "MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQg";
+/// A password with the characters that end a URL's authority (`/`, `?`, `#`): written raw, it
+/// splits the URL, and any of its pieces would show if the URL were cut by hand.
+const SPLIT: &str = "Sl4shy/Qu3ry?H4shy#T41l";
+/// The same, with a leading number: written raw, the URL parses, with a port and a path.
+const SPLIT_PORT: &str = "6380/Qu3ry?H4shy#T41l";
+/// A user name written raw before `SPLIT_PORT`: it parses as the host.
+const SPLIT_USER: &str = "Us3rN4me";
+/// What must never show of these: each piece on its own.
+const SPLIT_PIECES: [&str; 5] = ["Sl4shy", "Qu3ry", "H4shy", "T41l", SPLIT_USER];
 
 /// Everything logged by any thread of this test binary.
 fn logs() -> &'static Logs {
@@ -39,6 +48,19 @@ fn render(error: &LockError) -> String {
         source = inner.source();
     }
     text
+}
+
+/// `text` percent-encoded as a URL's user name or password should be.
+fn encoded(text: &str) -> String {
+    text.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                char::from(b).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
 }
 
 async fn build_error(builder: LockManagerBuilder) -> String {
@@ -146,6 +168,70 @@ async fn no_secret_in_any_output() {
     assert!(!logged.is_empty(), "the capture works");
     for text in seen.iter().chain(&logged) {
         for secret in [SECRET, WRONG, KEY_MATERIAL] {
+            assert!(!text.contains(secret), "{secret} shows in: {text}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_piece_of_a_password_that_splits_the_url_shows() {
+    let logs = logs();
+    let mut seen = Vec::new();
+    let server = RedisServer::start_with_password(SPLIT).unwrap();
+    let port = server.port();
+
+    // Percent-encoded, it connects.
+    let encoded_url = format!("redis://:{}@127.0.0.1:{port}/0", encoded(SPLIT));
+    let builder = quick(LockManager::builder().redis_url(&encoded_url));
+    seen.push(format!("{builder:?}"));
+    let locks = builder.build().await.unwrap();
+    seen.push(format!("{locks:?}"));
+    let guard = locks.lock("split").acquire().await.unwrap();
+    seen.push(format!("{guard:?}"));
+    guard.release().await.unwrap();
+    drop(locks);
+    let env = LockManagerBuilder::from_vars([("DISTLOCK_URL", &encoded_url)]).unwrap();
+    seen.push(format!("{env:?}"));
+    let locks = quick(env).build().await.unwrap();
+    seen.push(format!("{locks:?}"));
+    drop(locks);
+
+    // Percent-encoded but wrong, and written raw: errors that show none of it.
+    let wrong = format!("redis://default:{}@127.0.0.1:{port}/0", encoded(SPLIT_PORT));
+    let raw = [
+        format!("redis://:{SPLIT}@127.0.0.1:{port}/0"),
+        format!("redis://default:{SPLIT}@127.0.0.1:{port}"),
+        format!("rediss://:{SPLIT}@127.0.0.1:{port}"),
+        format!("redis://{SPLIT_USER}:{SPLIT_PORT}@127.0.0.1:{port}/0"),
+        format!("redis://{SPLIT_USER}:{SPLIT_PORT}@127.0.0.1:{port}"),
+    ];
+    for url in std::iter::once(&wrong).chain(&raw) {
+        for builder in [
+            LockManager::builder().redis_url(url),
+            LockManager::builder().cluster([url]),
+            LockManager::builder().sentinel([url], "mymaster"),
+            LockManager::builder().redlock([url, url, url]),
+        ] {
+            seen.push(format!("{builder:?}"));
+            seen.push(build_error(builder).await);
+        }
+        for name in ["DISTLOCK_URL", "REDIS_URL", "DISTLOCK_CLUSTER"] {
+            match LockManagerBuilder::from_vars([(name, url)]) {
+                Ok(builder) => {
+                    seen.push(format!("{builder:?}"));
+                    seen.push(build_error(builder).await);
+                }
+                Err(error) => seen.push(render(&error)),
+            }
+        }
+    }
+
+    let logged = logs.lines();
+    for text in seen.iter().chain(&logged) {
+        for secret in [SPLIT, SPLIT_PORT, &encoded(SPLIT), &encoded(SPLIT_PORT)]
+            .into_iter()
+            .chain(SPLIT_PIECES)
+        {
             assert!(!text.contains(secret), "{secret} shows in: {text}");
         }
     }
