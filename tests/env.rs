@@ -79,3 +79,39 @@ fn a_bad_variable_is_a_config_error_naming_it() {
     );
     assert!(!error.to_string().contains("hunter2"));
 }
+
+/// The message of the `Config` error `vars` make, before anything connects.
+fn config_error(vars: &[(&str, &str)]) -> String {
+    match LockManagerBuilder::from_vars(vars.iter().copied()) {
+        Err(LockError::Config(message)) => message,
+        other => panic!("expected a Config error, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_key_prefix_with_braces_is_an_error_naming_its_variable() {
+    let error = config_error(&[
+        ("DISTLOCK_URL", "redis://127.0.0.1:1"),
+        ("DISTLOCK_KEY_PREFIX", "a{b}"),
+    ]);
+    assert!(error.contains("DISTLOCK_KEY_PREFIX"), "{error}");
+}
+
+#[test]
+fn a_default_ttl_longer_than_max_ttl_is_an_error_naming_its_variable() {
+    let error = config_error(&[
+        ("DISTLOCK_URL", "redis://127.0.0.1:1"),
+        ("DISTLOCK_DEFAULT_TTL", "1000000h"),
+    ]);
+    assert!(
+        error.contains("DISTLOCK_DEFAULT_TTL") && error.contains("1000000h"),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_url_of_another_scheme_is_an_error_naming_its_variable() {
+    let error = config_error(&[("REDIS_URL", "tcp://:hunter2@127.0.0.1:1")]);
+    assert!(error.contains("REDIS_URL"), "{error}");
+    assert!(!error.contains("hunter2"), "{error}");
+}

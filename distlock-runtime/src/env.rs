@@ -3,7 +3,10 @@
 use std::time::Duration;
 
 use crate::LockError;
-use crate::manager::{LockManager, LockManagerBuilder, redact_url};
+use crate::key::check_prefix;
+use crate::lock::check_ttl;
+use crate::manager::{LockManager, LockManagerBuilder, check_masters, check_timeout};
+use crate::security::{check_certificates, check_private_key, check_tls_endpoints};
 
 /// The variables [`LockManagerBuilder::from_vars`] reads, in the order it checks them.
 const TOPOLOGIES: [&str; 4] = [
@@ -46,7 +49,10 @@ impl LockManagerBuilder {
     /// | `DISTLOCK_TLS_CERT_FILE` + `DISTLOCK_TLS_KEY_FILE` | PEM files of a client certificate and its key (see [`tls_client_certificate`](Self::tls_client_certificate)) |
     ///
     /// Exactly one topology may be set. A bad value is a [`LockError::Config`] that names
-    /// the variable (and never shows a password).
+    /// the variable (and never shows a password): every value is checked here as
+    /// [`build`](Self::build) would check it, so that `build` finds no fault in what the
+    /// environment gave (only in options set afterwards, in a missing `tls` feature, and in
+    /// what needs a connection).
     pub fn from_env() -> Result<Self, LockError> {
         Self::from_vars(std::env::vars_os().filter_map(|(name, value)| {
             Some((name.into_string().ok()?, value.into_string().ok()?))
@@ -78,7 +84,7 @@ impl LockManagerBuilder {
             .collect();
         let mut builder = match set.as_slice() {
             [] => match get("REDIS_URL") {
-                Some(url) => Self::default().redis_url(url),
+                Some(_) => Self::default().redis_url(url_var(&get, "REDIS_URL")?),
                 None => {
                     return Err(LockError::Config(
                         "no Redis endpoint in the environment: set DISTLOCK_URL (or REDIS_URL), \
@@ -99,7 +105,12 @@ impl LockManagerBuilder {
                 })?;
                 Self::default().sentinel(list_var(&get, "DISTLOCK_SENTINEL")?, master)
             }
-            ["DISTLOCK_REDLOCK"] => Self::default().redlock(list_var(&get, "DISTLOCK_REDLOCK")?),
+            ["DISTLOCK_REDLOCK"] => {
+                let masters = list_var(&get, "DISTLOCK_REDLOCK")?;
+                check_masters(masters.len())
+                    .map_err(|reason| config("DISTLOCK_REDLOCK", reason))?;
+                Self::default().redlock(masters)
+            }
             several => {
                 return Err(LockError::Config(format!(
                     "{} are all set: choose one topology",
@@ -108,46 +119,57 @@ impl LockManagerBuilder {
             }
         };
         if let Some(prefix) = get("DISTLOCK_KEY_PREFIX") {
+            check_prefix(prefix).map_err(|reason| config("DISTLOCK_KEY_PREFIX", reason))?;
             builder = builder.key_prefix(prefix);
         }
-        if let Some(ttl) = duration_var(&get, "DISTLOCK_DEFAULT_TTL")? {
+        if let Some(ttl) = duration_var(&get, "DISTLOCK_DEFAULT_TTL", check_ttl)? {
             builder = builder.default_ttl(ttl);
         }
-        if let Some(timeout) = duration_var(&get, "DISTLOCK_CONNECT_TIMEOUT")? {
+        if let Some(timeout) = duration_var(&get, "DISTLOCK_CONNECT_TIMEOUT", check_timeout)? {
             builder = builder.connect_timeout(timeout);
         }
-        if let Some(timeout) = duration_var(&get, "DISTLOCK_RESPONSE_TIMEOUT")? {
+        if let Some(timeout) = duration_var(&get, "DISTLOCK_RESPONSE_TIMEOUT", check_timeout)? {
             builder = builder.response_timeout(timeout);
         }
-        if let Some(ca) = file_var(&get, "DISTLOCK_TLS_CA_FILE")? {
-            builder = builder.tls_ca_certificate(ca);
+        if get("DISTLOCK_TLS_CERT_FILE").is_some() != get("DISTLOCK_TLS_KEY_FILE").is_some() {
+            return Err(LockError::Config(
+                "DISTLOCK_TLS_CERT_FILE and DISTLOCK_TLS_KEY_FILE go together: set both or neither"
+                    .into(),
+            ));
         }
-        match (
-            file_var(&get, "DISTLOCK_TLS_CERT_FILE")?,
-            file_var(&get, "DISTLOCK_TLS_KEY_FILE")?,
+        let mut tls = None;
+        if let Some(ca) = file_var(&get, "DISTLOCK_TLS_CA_FILE", check_certificates)? {
+            builder = builder.tls_ca_certificate(ca);
+            tls = Some("DISTLOCK_TLS_CA_FILE");
+        }
+        if let (Some(cert), Some(key)) = (
+            file_var(&get, "DISTLOCK_TLS_CERT_FILE", check_certificates)?,
+            file_var(&get, "DISTLOCK_TLS_KEY_FILE", check_private_key)?,
         ) {
-            (Some(cert), Some(key)) => builder = builder.tls_client_certificate(cert, key),
-            (None, None) => {}
-            (Some(_), None) | (None, Some(_)) => {
-                return Err(LockError::Config(
-                    "DISTLOCK_TLS_CERT_FILE and DISTLOCK_TLS_KEY_FILE go together: set both or \
-                     neither"
-                        .into(),
-                ));
-            }
+            builder = builder.tls_client_certificate(cert, key);
+            tls = tls.or(Some("DISTLOCK_TLS_CERT_FILE"));
+        }
+        if let Some(name) = tls {
+            check_tls_endpoints(builder.endpoint_urls())
+                .map_err(|reason| config(name, format!("is set but {reason}")))?;
         }
         Ok(builder)
     }
 }
 
-/// One URL, checked for a scheme the redis client understands.
+/// A [`LockError::Config`] about the variable `name`: `reason` follows its name.
+fn config(name: &str, reason: impl std::fmt::Display) -> LockError {
+    LockError::Config(format!("{name} {reason}"))
+}
+
+/// One URL, checked as `build` checks it.
 fn url_var<'a>(get: &impl Fn(&str) -> Option<&'a str>, name: &str) -> Result<String, LockError> {
     let url = get(name).unwrap_or_default();
     check_url(name, url)?;
     Ok(url.to_owned())
 }
 
-/// Comma-separated URLs, each checked.
+/// Comma-separated URLs, each checked as `build` checks it.
 fn list_var<'a>(
     get: &impl Fn(&str) -> Option<&'a str>,
     name: &str,
@@ -171,46 +193,46 @@ fn list_var<'a>(
 }
 
 fn check_url(name: &str, url: &str) -> Result<(), LockError> {
-    let scheme = url.split_once("://").map(|(scheme, _)| scheme);
-    if matches!(
-        scheme,
-        Some("redis" | "rediss" | "valkey" | "valkeys" | "redis+unix" | "unix")
-    ) {
-        Ok(())
-    } else {
-        Err(LockError::Config(format!(
-            "{name} must hold `redis://` or `rediss://` URLs, got `{}`",
-            redact_url(url)
-        )))
-    }
+    crate::manager::check_url(url).map_err(|reason| config(name, reason))
 }
 
-/// The contents of the file the variable names (never quoted in errors: it may be a key).
+/// The contents of the file the variable names, passed by `check` (they are never quoted in
+/// errors: they may be a key).
 fn file_var<'a>(
     get: &impl Fn(&str) -> Option<&'a str>,
     name: &str,
+    check: fn(&[u8]) -> Result<(), String>,
 ) -> Result<Option<Vec<u8>>, LockError> {
     get(name)
         .map(|path| {
-            std::fs::read(path).map_err(|error| {
+            let pem = std::fs::read(path).map_err(|error| {
                 LockError::Config(format!("{name}: cannot read `{path}`: {error}"))
-            })
+            })?;
+            check(&pem).map_err(|reason| config(name, format_args!("(`{path}`) {reason}")))?;
+            Ok(pem)
         })
         .transpose()
 }
 
+/// The duration the variable holds, passed by `check`.
 fn duration_var<'a>(
     get: &impl Fn(&str) -> Option<&'a str>,
     name: &str,
+    check: fn(Duration) -> Result<(), String>,
 ) -> Result<Option<Duration>, LockError> {
     get(name)
         .map(|value| {
-            parse_duration(value).ok_or_else(|| {
-                LockError::Config(format!(
-                    "{name} must be a duration above zero such as `30s`, `500ms`, `2m` or `1h`, \
-                     got `{value}`"
-                ))
-            })
+            let duration = parse_duration(value).ok_or_else(|| {
+                config(
+                    name,
+                    format_args!(
+                        "must be a duration above zero such as `30s`, `500ms`, `2m` or `1h`, \
+                         got `{value}`"
+                    ),
+                )
+            })?;
+            check(duration).map_err(|reason| config(name, format_args!("{reason} (`{value}`)")))?;
+            Ok(duration)
         })
         .transpose()
 }
@@ -342,12 +364,84 @@ mod tests {
     }
 
     #[test]
+    fn what_build_would_refuse_names_its_variable() {
+        let masters = config_error(&[("DISTLOCK_REDLOCK", "redis://a:1,redis://b:2")]);
+        assert!(
+            masters.contains("DISTLOCK_REDLOCK needs at least 3"),
+            "{masters}"
+        );
+        let db = config_error(&[("DISTLOCK_URL", "redis://:hunter2@a:1/x")]);
+        assert!(db.starts_with("DISTLOCK_URL holds a URL"), "{db}");
+        assert!(!db.contains("hunter2"), "{db}");
+        // The client's detail would quote the URL's query.
+        let split = config_error(&[("DISTLOCK_CLUSTER", "redis://u:12?protocol=hunter2@a:1")]);
+        assert!(split.contains("DISTLOCK_CLUSTER"), "{split}");
+        assert!(!split.contains("hunter2"), "{split}");
+        let timeout = config_error(&[
+            ("DISTLOCK_URL", "redis://a:1"),
+            ("DISTLOCK_CONNECT_TIMEOUT", "0s"),
+        ]);
+        assert!(timeout.contains("DISTLOCK_CONNECT_TIMEOUT"), "{timeout}");
+    }
+
+    #[cfg(feature = "tls")]
+    #[test]
+    fn tls_files_are_checked() {
+        let dir = std::env::temp_dir().join(format!("distlock-env-pem-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = |name: &str, text: &str| {
+            let file = dir.join(name);
+            std::fs::write(&file, text).unwrap();
+            file.to_str().unwrap().to_owned()
+        };
+        let pem = |label: &str| format!("-----BEGIN {label}-----\nAAAA\n-----END {label}-----\n");
+        let junk: &str = &path("junk", "not pem");
+        let cert_pem: &str = &path("c.pem", &pem("CERTIFICATE"));
+        let key_pem: &str = &path("k.pem", &pem("PRIVATE KEY"));
+        let url = |url: &'static str| ("DISTLOCK_URL", url);
+        let ca = |path| ("DISTLOCK_TLS_CA_FILE", path);
+        let cert = |path| ("DISTLOCK_TLS_CERT_FILE", path);
+        let key = |path| ("DISTLOCK_TLS_KEY_FILE", path);
+        let tls = "rediss://a:1";
+        let cases: [(&[(&str, &str)], &str); 5] = [
+            (&[url(tls), ca(junk)], "DISTLOCK_TLS_CA_FILE (`"),
+            (
+                &[url(tls), cert(junk), key(key_pem)],
+                "DISTLOCK_TLS_CERT_FILE (`",
+            ),
+            (
+                &[url(tls), cert(cert_pem), key(junk)],
+                "DISTLOCK_TLS_KEY_FILE (`",
+            ),
+            (
+                &[url("redis://a:1"), ca(cert_pem)],
+                "DISTLOCK_TLS_CA_FILE is set but",
+            ),
+            (
+                &[url("redis://a:1"), cert(cert_pem), key(key_pem)],
+                "DISTLOCK_TLS_CERT_FILE is set but",
+            ),
+        ];
+        for (vars, named) in cases {
+            let message = config_error(vars);
+            assert!(message.starts_with(named), "{message}");
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
     fn tls_files_are_read() {
         let dir = std::env::temp_dir().join(format!("distlock-env-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let (ca, cert, key) = (dir.join("ca.pem"), dir.join("c.pem"), dir.join("k.pem"));
-        for file in [&ca, &cert, &key] {
-            std::fs::write(file, "pem").unwrap();
+        // Only the PEM blocks are checked here; what they hold is checked when connecting.
+        let pem = |label: &str| format!("-----BEGIN {label}-----\nAAAA\n-----END {label}-----\n");
+        for (file, label) in [
+            (&ca, "CERTIFICATE"),
+            (&cert, "CERTIFICATE"),
+            (&key, "PRIVATE KEY"),
+        ] {
+            std::fs::write(file, pem(label)).unwrap();
         }
         let builder = LockManagerBuilder::from_vars([
             ("DISTLOCK_URL", "rediss://a:1"),

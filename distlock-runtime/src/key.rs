@@ -138,18 +138,17 @@ fn validate(name: &str) -> Result<(), LockError> {
     Ok(())
 }
 
-/// Validates a manager's key prefix: braces would change the Cluster hash tag.
-pub(crate) fn validate_prefix(prefix: &str) -> Result<(), LockError> {
+/// Checks a manager's key prefix: braces would change the Cluster hash tag. The reason, on
+/// failure, follows the name of the setting (`key prefix`, or an environment variable).
+pub(crate) fn check_prefix(prefix: &str) -> Result<(), String> {
     if prefix.contains(['{', '}']) {
-        return Err(LockError::Config(format!(
-            "key prefix `{prefix}` must not contain `{{` or `}}`: distlock puts the lock key in \
-             braces so that a lock's companion keys share one Cluster slot"
-        )));
+        return Err(format!(
+            "`{prefix}` must not contain `{{` or `}}`: distlock puts the lock key in braces so \
+             that a lock's companion keys share one Cluster slot"
+        ));
     }
     if prefix.len() > MAX_KEY_LEN {
-        return Err(LockError::Config(format!(
-            "key prefix may be at most {MAX_KEY_LEN} bytes"
-        )));
+        return Err(format!("may be at most {MAX_KEY_LEN} bytes"));
     }
     Ok(())
 }
@@ -302,7 +301,8 @@ mod tests {
 
     #[test]
     fn prefixes_with_braces_are_rejected() {
-        assert!(validate_prefix("app:").is_ok());
-        assert!(matches!(validate_prefix("a{b"), Err(LockError::Config(_))));
+        assert!(check_prefix("app:").is_ok());
+        assert!(check_prefix("a{b").is_err());
+        assert!(check_prefix(&"p".repeat(MAX_KEY_LEN + 1)).is_err());
     }
 }

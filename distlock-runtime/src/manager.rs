@@ -280,6 +280,16 @@ impl Topology {
         }
     }
 
+    /// The builder method that sets it, as errors name it.
+    fn method(&self) -> &'static str {
+        match self {
+            Self::Single(_) => "redis_url",
+            Self::Cluster(_) => "cluster",
+            Self::Sentinel { .. } => "sentinel",
+            Self::RedLock(_) => "redlock",
+        }
+    }
+
     /// Its name in `Debug` output (the master's name included, which is no secret).
     fn name(&self) -> String {
         match self {
@@ -549,14 +559,6 @@ impl LockManagerBuilder {
                     .into(),
             ));
         }
-        if let Topology::RedLock(urls) = &self.topology
-            && urls.len() < 3
-        {
-            return Err(LockError::Config(format!(
-                "RedLock needs at least 3 independent masters, got {}",
-                urls.len()
-            )));
-        }
         self.check()?;
         let target = self
             .topology
@@ -629,15 +631,21 @@ impl LockManagerBuilder {
         })
     }
 
+    /// The checks that need no connection. Each one is a function that
+    /// [`from_vars`](Self::from_vars) also runs, so that its errors name the variable.
     fn check(&self) -> Result<(), LockError> {
-        key::validate_prefix(&self.prefix)?;
+        let config =
+            |subject: &str, reason: String| LockError::Config(format!("{subject} {reason}"));
+        if let Topology::RedLock(urls) = &self.topology {
+            check_masters(urls.len()).map_err(|reason| config("RedLock", reason))?;
+        }
+        let method = format!("`{}`", self.topology.method());
+        for url in self.topology.urls() {
+            check_url(url).map_err(|reason| config(&method, reason))?;
+        }
+        key::check_prefix(&self.prefix).map_err(|reason| config("key prefix", reason))?;
         self.security.check(self.topology.urls())?;
-        check_ttl(self.defaults.ttl)
-            .map_err(|reason| LockError::Config(format!("`default_ttl` {reason}")))?;
-        let positive = [
-            ("connect_timeout", self.connect_timeout),
-            ("response_timeout", self.response_timeout),
-        ];
+        check_ttl(self.defaults.ttl).map_err(|reason| config("`default_ttl`", reason))?;
         if let Some((replicas, timeout)) = self.sync_replicas
             && (replicas == 0 || timeout.is_zero())
         {
@@ -645,15 +653,91 @@ impl LockManagerBuilder {
                 "`sync_replicas` needs at least one replica and a timeout above zero".into(),
             ));
         }
-        for (name, value) in positive {
-            if value.is_zero() {
-                return Err(LockError::Config(format!(
-                    "`{name}` must be greater than zero"
-                )));
-            }
-        }
+        check_timeout(self.connect_timeout).map_err(|r| config("`connect_timeout`", r))?;
+        check_timeout(self.response_timeout).map_err(|r| config("`response_timeout`", r))?;
         Ok(())
     }
+
+    /// Every URL given, for [`from_vars`](Self::from_vars)'s checks.
+    pub(crate) fn endpoint_urls(&self) -> &[String] {
+        self.topology.urls()
+    }
+}
+
+/// The schemes of the URLs the redis client connects to.
+const SCHEMES: [&str; 7] = [
+    "redis",
+    "rediss",
+    "valkey",
+    "valkeys",
+    "redis+unix",
+    "valkey+unix",
+    "unix",
+];
+
+/// Checks an endpoint URL before anything connects: a scheme the redis client knows, and a
+/// URL it reads. The reason, on failure, follows the name of the setting the URL came from (a
+/// builder method or an environment variable); it shows the URL through [`redact_url`] only,
+/// and leaves out the client's detail, which may quote part of the URL.
+pub(crate) fn check_url(url: &str) -> Result<(), String> {
+    use redis::IntoConnectionInfo;
+
+    let scheme = url
+        .split_once("://")
+        .map(|(scheme, _)| scheme.to_ascii_lowercase());
+    let Some(scheme) = scheme.filter(|scheme| SCHEMES.contains(&scheme.as_str())) else {
+        return Err(format!(
+            "must hold `redis://` or `rediss://` URLs, got `{}`",
+            redact_url(url)
+        ));
+    };
+    // Without the `tls` feature the client reads no `rediss://` URL; `build` says why.
+    if !cfg!(feature = "tls") && matches!(scheme.as_str(), "rediss" | "valkeys") {
+        return Ok(());
+    }
+    url.into_connection_info().map(drop).map_err(|error| {
+        let hint = if url.contains('@') {
+            " (a user name or password must have its `/`, `?`, `#` and `%` percent-encoded)"
+        } else {
+            ""
+        };
+        format!(
+            "holds a URL the redis client cannot read, `{}`: {}{hint}",
+            redact_url(url),
+            without_detail(&error)
+        )
+    })
+}
+
+/// The redis client's `error` without its detail: a URL's errors may quote part of it (the
+/// `protocol` parameter).
+fn without_detail(error: &redis::RedisError) -> String {
+    let text = error.to_string();
+    match error.detail() {
+        None => text,
+        Some(detail) => text
+            .strip_suffix(detail)
+            .and_then(|text| text.strip_suffix(": "))
+            .map_or_else(|| error.category().to_owned(), str::to_owned),
+    }
+}
+
+/// Checks the number of RedLock masters. The reason, on failure, follows `RedLock` or the
+/// name of an environment variable.
+pub(crate) fn check_masters(count: usize) -> Result<(), String> {
+    if count < 3 {
+        return Err(format!("needs at least 3 independent masters, got {count}"));
+    }
+    Ok(())
+}
+
+/// Checks a connect or response timeout. The reason, on failure, follows the name of the
+/// setting.
+pub(crate) fn check_timeout(timeout: Duration) -> Result<(), String> {
+    if timeout.is_zero() {
+        return Err("must be greater than zero".into());
+    }
+    Ok(())
 }
 
 /// A connection failure at `build`, as a [`LockError::Config`]; a missing permission says so

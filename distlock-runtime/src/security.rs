@@ -98,25 +98,16 @@ impl Security {
 
     /// Checks the TLS material against the endpoints, before anything connects.
     pub(crate) fn check(&self, urls: &[String]) -> Result<(), LockError> {
-        let wants_tls = urls.iter().any(|url| {
-            url.as_str()
-                .into_connection_info()
-                .is_ok_and(|info| matches!(info.addr(), ConnectionAddr::TcpTls { .. }))
-                || url.starts_with("rediss://")
-                || url.starts_with("valkeys://")
-        });
+        let wants_tls = wants_tls(urls);
         if !cfg!(feature = "tls") && (wants_tls || self.tls.is_some()) {
             return Err(LockError::Config(
                 "TLS needs the `tls` feature of distlock (`features = [\"tls\"]`)".into(),
             ));
         }
         if let Some(tls) = &self.tls {
-            if !wants_tls {
-                return Err(LockError::Config(
-                    "TLS certificates were given but no endpoint uses TLS: use `rediss://` URLs"
-                        .into(),
-                ));
-            }
+            check_tls_endpoints(urls).map_err(|reason| {
+                LockError::Config(format!("TLS certificates were given but {reason}"))
+            })?;
             tls.check()?;
         }
         #[cfg(feature = "tls")]
@@ -143,40 +134,71 @@ impl Tls {
     }
 
     /// Each PEM holds what it should; the messages never quote the material.
-    #[cfg(feature = "tls")]
     fn check(&self) -> Result<(), LockError> {
-        use rustls::pki_types::pem::PemObject;
-        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-
-        let certificates = |what: &str, pem: &[u8]| {
-            let parsed: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(pem).collect();
-            match parsed {
-                Ok(certs) if !certs.is_empty() => Ok(()),
-                _ => Err(LockError::Config(format!(
-                    "`{what}` holds no PEM certificate (`-----BEGIN CERTIFICATE-----`)"
-                ))),
-            }
-        };
+        let config = |what: &str, reason: String| LockError::Config(format!("{what} {reason}"));
         if let Some(ca) = &self.ca {
-            certificates("tls_ca_certificate", ca)?;
+            check_certificates(ca).map_err(|r| config("`tls_ca_certificate`", r))?;
         }
         if let Some((cert, key)) = &self.client {
-            certificates("tls_client_certificate", cert)?;
-            if PrivateKeyDer::from_pem_slice(key).is_err() {
-                return Err(LockError::Config(
-                    "the key of `tls_client_certificate` holds no PEM private key \
-                     (`-----BEGIN PRIVATE KEY-----`)"
-                        .into(),
-                ));
-            }
+            check_certificates(cert).map_err(|r| config("`tls_client_certificate`", r))?;
+            check_private_key(key).map_err(|r| config("the key of `tls_client_certificate`", r))?;
         }
         Ok(())
     }
+}
 
-    #[cfg(not(feature = "tls"))]
-    fn check(&self) -> Result<(), LockError> {
+/// Whether any of `urls` connects with TLS.
+fn wants_tls(urls: &[String]) -> bool {
+    urls.iter().any(|url| {
+        url.as_str()
+            .into_connection_info()
+            .is_ok_and(|info| matches!(info.addr(), ConnectionAddr::TcpTls { .. }))
+            || url.starts_with("rediss://")
+            || url.starts_with("valkeys://")
+    })
+}
+
+/// Checks that TLS material has an endpoint to be used with. The reason, on failure,
+/// follows what gave the material.
+pub(crate) fn check_tls_endpoints(urls: &[String]) -> Result<(), String> {
+    if wants_tls(urls) {
         Ok(())
+    } else {
+        Err("no endpoint uses TLS: use `rediss://` URLs".into())
     }
+}
+
+/// Checks that `pem` holds at least one PEM certificate (always `Ok` without the `tls`
+/// feature, which the builder reports by itself). The reason, on failure, follows the name of
+/// the setting; it never quotes the material.
+#[cfg_attr(not(feature = "tls"), allow(unused_variables))]
+pub(crate) fn check_certificates(pem: &[u8]) -> Result<(), String> {
+    #[cfg(feature = "tls")]
+    {
+        use rustls::pki_types::CertificateDer;
+        use rustls::pki_types::pem::PemObject;
+
+        let parsed: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(pem).collect();
+        if !parsed.is_ok_and(|certs| !certs.is_empty()) {
+            return Err("holds no PEM certificate (`-----BEGIN CERTIFICATE-----`)".into());
+        }
+    }
+    Ok(())
+}
+
+/// Checks that `pem` holds a PEM private key, as [`check_certificates`] does certificates.
+#[cfg_attr(not(feature = "tls"), allow(unused_variables))]
+pub(crate) fn check_private_key(pem: &[u8]) -> Result<(), String> {
+    #[cfg(feature = "tls")]
+    {
+        use rustls::pki_types::PrivateKeyDer;
+        use rustls::pki_types::pem::PemObject;
+
+        if PrivateKeyDer::from_pem_slice(pem).is_err() {
+            return Err("holds no PEM private key (`-----BEGIN PRIVATE KEY-----`)".into());
+        }
+    }
+    Ok(())
 }
 
 /// rustls needs a process-wide crypto provider; when the application has not chosen one,
