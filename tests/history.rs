@@ -258,16 +258,28 @@ impl History {
         }
     }
 
-    /// The fault allowance of a free stretch from `from` to `to`: every fault window it
-    /// overlaps, and the recovery after it.
+    /// The fault allowance of a free stretch from `from` to `to`: how much of it lies in a
+    /// fault window or the recovery after one (their union, each moment counted once).
     fn allowance(&self, from: Instant, to: Instant) -> Duration {
         let state = self.lock();
-        state
+        let mut windows: Vec<(Instant, Instant)> = state
             .fault_windows
             .iter()
-            .filter(|(start, end)| *start <= to && end.is_none_or(|end| end + RECOVERY >= from))
-            .map(|(start, end)| end.unwrap_or(to).saturating_duration_since(*start) + RECOVERY)
-            .sum()
+            .map(|(start, end)| (*start, end.unwrap_or(to) + RECOVERY))
+            .filter(|(start, end)| *start < to && *end > from)
+            .map(|(start, end)| (start.max(from), end.min(to)))
+            .collect();
+        windows.sort();
+        let mut covered = Duration::ZERO;
+        let mut reached = from;
+        for (start, end) in windows {
+            let start = start.max(reached);
+            if end > start {
+                covered += end - start;
+                reached = end;
+            }
+        }
+        covered
     }
 
     fn report(&self, seed: u64, topology: &str) {
@@ -455,12 +467,33 @@ impl Probe {
         }
     }
 
-    /// Deletes the lock key wherever it is: whether any copy was deleted.
-    async fn del(&self, key: &str) -> bool {
-        self.ask("DEL", key)
+    /// Deletes the lock key wherever `owner` still holds it, and wakes its waiters (as an
+    /// operator's `DEL` followed by a `PUBLISH`): whether any copy was deleted.
+    async fn steal(&self, key: &str, wake: &str, owner: &str) -> bool {
+        let script = redis::Script::new(
+            "local t = redis.call('type', KEYS[1])['ok'] \
+             if (t == 'string' and redis.call('get', KEYS[1]) == ARGV[1]) \
+                or (t == 'hash' and redis.call('hexists', KEYS[1], ARGV[1]) == 1) then \
+               redis.call('del', KEYS[1]) redis.call('publish', KEYS[2], '') return 1 \
+             end return 0",
+        );
+        let steals = self.connections().iter().map(|conn| {
+            let mut conn = conn.clone();
+            let mut call = script.key(key);
+            call.key(wake).arg(owner);
+            async move {
+                let answer = tokio::time::timeout(
+                    Duration::from_millis(200),
+                    call.invoke_async::<i64>(&mut conn),
+                )
+                .await;
+                answer.ok().and_then(Result::ok).unwrap_or(0)
+            }
+        });
+        futures_util::future::join_all(steals)
             .await
-            .iter()
-            .any(|deleted| *deleted > 0)
+            .into_iter()
+            .any(|deleted| deleted > 0)
     }
 }
 
@@ -887,10 +920,13 @@ async fn robbed(
     let Some((guard, entry)) = take(world, locks, who, plan, faults).await else {
         return;
     };
-    let how = if plan.watchdog {
-        rng.u8(..2)
-    } else {
-        rng.u8(..3)
+    // A forced release removes whatever holds the key: under faults the robbed lease may
+    // have run out already, and another holder would be robbed instead.
+    let how = match (faults, plan.watchdog) {
+        (true, true) => 1,
+        (true, false) => 1 + rng.u8(..2),
+        (false, true) => rng.u8(..2),
+        (false, false) => rng.u8(..3),
     };
     let stolen = match how {
         0 => {
@@ -905,7 +941,11 @@ async fn robbed(
         }
         1 => {
             drop(entry);
-            world.probe.del(&locks.redis_key(plan.key)).await
+            let lock = locks.redis_key(plan.key);
+            world
+                .probe
+                .steal(&lock, &format!("{lock}:wake"), guard.token())
+                .await
         }
         _ => {
             // A pause past the lease: the key expires under its holder.

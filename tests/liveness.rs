@@ -329,3 +329,21 @@ async fn a_writer_that_gives_up_takes_back_the_intent_that_kept_readers_out() {
     read.release().await.unwrap();
     inside.release().await.unwrap();
 }
+
+#[tokio::test]
+async fn the_release_of_a_fenced_lock_wakes_the_other_process() {
+    let (server, prefix, here, there) = two_processes("fenced").await;
+    // A fencing token makes the lock a hash, given back by its own script.
+    let held = here
+        .lock("k")
+        .fencing(true)
+        .ttl(LONG)
+        .acquire()
+        .await
+        .unwrap();
+    let b = other_process_waits(&there, "k");
+    subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    held.release().await.unwrap();
+    let guard = gets_in(b, "the release of a fenced lock").await;
+    guard.release().await.unwrap();
+}

@@ -429,8 +429,11 @@ impl LockGuard {
                 // so this release gives it to everyone, with the wake-up, before it returns.
                 // One that gives up after this point drops the grant, which does the same from
                 // the background.
+                // The grant stays armed until the release has been answered: an error, or
+                // this future dropped midway, drops it armed, which releases from the
+                // manager's runtime.
                 if let Err(mut handed) = handed
-                    && let Some((_, next)) = handed.unclaimed.take()
+                    && let Some((_, next)) = &handed.unclaimed
                 {
                     let release = {
                         let next = next.clone();
@@ -439,10 +442,14 @@ impl LockGuard {
                         }
                     };
                     match inner.exec(release).await? {
-                        Ok(true) => inner.waiters.released(&ids.wake),
-                        Ok(false) => {}
-                        // Whether it arrived is unknown: sent again from the background.
-                        Err(_) => release_in_background(inner, next, None),
+                        Ok(released) => {
+                            handed.unclaimed = None;
+                            if released {
+                                inner.waiters.released(&ids.wake);
+                            }
+                        }
+                        // Whether it arrived is unknown: the armed grant sends it again.
+                        Err(_) => drop(handed),
                     }
                 }
                 Ok(Some(Ok(())))

@@ -599,6 +599,9 @@ async fn wait(
                 () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
             };
             if let Some(handed) = handed {
+                // The hand-off gave this request's own token: it covers any grant an unanswered
+                // attempt may hold, which must not be released now.
+                in_flight.maybe_held = false;
                 drop(intent);
                 drop(in_flight);
                 let taken = Taken {
@@ -644,6 +647,9 @@ async fn wait(
                     () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
                 };
                 if let Some(handed) = handed {
+                    // The hand-off gave this request's own token: it covers any grant an unanswered
+                    // attempt may hold, which must not be released now.
+                    in_flight.maybe_held = false;
                     drop(intent);
                     drop(in_flight);
                     let taken = Taken {
@@ -661,9 +667,7 @@ async fn wait(
                 Some(first) => (first.sent, first.outcome),
                 None => send_attempt(manager, &plan, &request, &mut in_flight).await?,
             };
-            if let Ok(attempt) = &outcome {
-                intent.answered(attempt);
-            }
+            intent.answered(outcome.as_ref().ok());
             let holder_ttl = match outcome {
                 Ok(Attempt::Held { fence }) => {
                     in_flight.maybe_held = false;
@@ -761,6 +765,9 @@ async fn wait(
             () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
         };
         if let Some(handed) = handed {
+            // The hand-off gave this request's own token: it covers any grant an unanswered
+            // attempt may hold, which must not be released now.
+            in_flight.maybe_held = false;
             drop(intent);
             drop(in_flight);
             let taken = Taken {
@@ -1223,11 +1230,13 @@ struct Intent<'a> {
 }
 
 impl Intent<'_> {
-    /// Notes what an attempt's answer means for the intent.
-    fn answered(&mut self, attempt: &Attempt) {
+    /// Notes what an attempt's answer (`None`: none came) means for the intent.
+    fn answered(&mut self, attempt: Option<&Attempt>) {
         if let Shape::Write { intent_lease, .. } = &self.request.shape {
-            // A writer granted the lock took its own intent back in the same script.
-            self.left = matches!(attempt, Attempt::Busy { .. }) && !intent_lease.is_zero();
+            // A writer granted the lock took its own intent back in the same script; one
+            // whose answer was lost may have left one.
+            self.left =
+                !intent_lease.is_zero() && matches!(attempt, None | Some(Attempt::Busy { .. }));
         }
     }
 }
