@@ -347,3 +347,25 @@ async fn the_release_of_a_fenced_lock_wakes_the_other_process() {
     let guard = gets_in(b, "the release of a fenced lock").await;
     guard.release().await.unwrap();
 }
+
+#[tokio::test]
+async fn the_last_reader_release_wakes_the_other_process_writer() {
+    let (server, prefix, here, there) = two_processes("last-reader").await;
+    let read = here.read_lock("k").ttl(LONG).acquire().await.unwrap();
+    let writer = {
+        let there = there.clone();
+        tokio::spawn(async move {
+            there
+                .write_lock("k")
+                .ttl(LONG)
+                .retry_delay(NEVER)
+                .retries(5)
+                .acquire()
+                .await
+        })
+    };
+    subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    read.release().await.unwrap();
+    let guard = gets_in(writer, "the last reader's release").await;
+    guard.release().await.unwrap();
+}

@@ -59,7 +59,7 @@ MUTATIONS = [
      [(LUA + "unlock.lua", "return 1 + redis.call('publish', KEYS[2], ARGV[3])", "return 1")]),
     ("release_hold.lua: no PUBLISH on release", "liveness",
      [(LUA + "release_hold.lua", "    redis.call('publish', wake, '')\n", "")]),
-    ("share_release.lua: no PUBLISH on release", "shared",
+    ("share_release.lua: no PUBLISH on release", "liveness",
      [(LUA + "share_release.lua", "redis.call('publish', KEYS[3], '')", "")]),
     ("fair.lua: a grant is not announced", "fair",
      [(LUA + "fair.lua", "  redis.call('publish', wake, '=' .. owner)\n", "")]),
