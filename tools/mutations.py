@@ -61,7 +61,7 @@ MUTATIONS = [
      [(LUA + "release_hold.lua", "    redis.call('publish', wake, '')\n", "")]),
     ("share_release.lua: no PUBLISH on release", "liveness",
      [(LUA + "share_release.lua", "redis.call('publish', KEYS[3], '')", "")]),
-    ("fair.lua: a grant is not announced", "fair",
+    ("fair.lua: a grant is not announced", "liveness",
      [(LUA + "fair.lua", "  redis.call('publish', wake, '=' .. owner)\n", "")]),
     ("withdraw_intent.lua: no PUBLISH", "liveness",
      [(LUA + "withdraw_intent.lua", "redis.call('publish', KEYS[2], '')", "")]),
