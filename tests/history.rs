@@ -556,6 +556,9 @@ struct Plan {
     fair: bool,
     /// A read request nested in this owner's write lock: a nested hold of the write lock.
     downgrade: bool,
+    /// The base of the fallback timer: long for some patient requests without faults, so
+    /// that they depend on wake-ups (a missed one shows as a starved waiter).
+    retry_delay: Duration,
 }
 
 impl Plan {
@@ -600,6 +603,7 @@ impl Plan {
             reentrant: rng.bool(),
             fair,
             downgrade: false,
+            retry_delay: Duration::from_millis(2),
         }
     }
 
@@ -612,7 +616,7 @@ impl Plan {
             .watchdog(self.watchdog)
             .reentrant(self.reentrant)
             .fair(self.fair)
-            .retry_delay(Duration::from_millis(2));
+            .retry_delay(self.retry_delay);
         if let Some(wait) = self.wait {
             request = request.wait(wait);
         }
@@ -737,7 +741,14 @@ async fn annotated(
 async fn program(world: World, locks: LockManager, who: String, seed: u64, ops: u32, faults: bool) {
     let mut rng = fastrand::Rng::with_seed(seed);
     for _ in 0..ops {
-        let plan = Plan::random(&mut rng, world.features);
+        let mut plan = Plan::random(&mut rng, world.features);
+        if !faults
+            && plan
+                .wait
+                .is_some_and(|wait| wait >= Duration::from_millis(300))
+        {
+            plan.retry_delay = Duration::from_millis(300);
+        }
         match rng.u8(..100) {
             // A hold taken away from its holder.
             0..=4 => robbed(&world, &locks, &who, plan, &mut rng, faults).await,
