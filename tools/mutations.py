@@ -78,8 +78,6 @@ MUTATIONS = [
      [(LUA + "write_acquire.lua", "    redis.call('hset', lock, 'mode', 'write', token, 1)\n  end\n  redis.call('pexpire', lock, lease)",
        "    redis.call('hset', lock, 'mode', 'write', token, 1)\n  end\n  redis.call('pexpire', lock, lease * 10)")]),
     # --- Rust: the stand-aside rule, deadlines, cancellation, hand-offs
-    ("waiters: a release stands other processes aside for any local head (the old rule)", "liveness",
-     "revert:6076446:distlock-runtime"),
     ("lock: a writer that gives up leaves its intent", "liveness",
      [(RT + "lock.rs", "            self.left =\n",
        "            self.left = false &&\n")]),
