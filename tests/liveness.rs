@@ -292,6 +292,17 @@ async fn a_release_of_a_key_a_local_set_waits_on_wakes_the_other_process() {
 
 #[tokio::test]
 async fn a_writer_that_gives_up_takes_back_the_intent_that_kept_readers_out() {
+    writer_leaves_without_the_lock(false).await;
+}
+
+#[tokio::test]
+async fn a_writer_cancelled_while_waiting_takes_back_the_intent_that_kept_readers_out() {
+    writer_leaves_without_the_lock(true).await;
+}
+
+/// A writer waits behind a reader and leaves its intent; it gives up (or, `cancelled`, its
+/// task is aborted), and a reader of a third process that the intent kept out gets in.
+async fn writer_leaves_without_the_lock(cancelled: bool) {
     let (server, prefix, here, there) = two_processes("intent").await;
     // Readers inside: a writer must wait, and its intent keeps new readers out meanwhile.
     let inside = here.read_lock("k").ttl(LONG).acquire().await.unwrap();
@@ -303,7 +314,11 @@ async fn a_writer_that_gives_up_takes_back_the_intent_that_kept_readers_out() {
                 .write_lock("k")
                 .ttl(LONG)
                 .retry_delay(NEVER)
-                .wait(Duration::from_millis(300))
+                .wait(if cancelled {
+                    LONG
+                } else {
+                    Duration::from_millis(300)
+                })
                 .acquire()
                 .await
         })
@@ -326,7 +341,12 @@ async fn a_writer_that_gives_up_takes_back_the_intent_that_kept_readers_out() {
             .await
     });
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
-    assert!(matches!(writer.await.unwrap(), Err(LockError::Busy { .. })));
+    if cancelled {
+        writer.abort();
+        assert!(writer.await.unwrap_err().is_cancelled());
+    } else {
+        assert!(matches!(writer.await.unwrap(), Err(LockError::Busy { .. })));
+    }
     let read = gets_in(
         reader,
         "a reader behind the intent of a writer that gave up",

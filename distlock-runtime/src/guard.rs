@@ -580,18 +580,25 @@ pub(crate) fn release_in_background(
 /// In a tokio runtime, the release is queued on that runtime's connection before this
 /// returns, right behind the acquire, so it cannot overtake it. If that runtime goes away (or
 /// the connection fails) before the answer, the manager's runtime sends it once more.
-pub(crate) fn release_behind_acquire(inner: &Arc<Inner>, ids: HoldIds) {
+///
+/// `intent`: a writer's intent, taken back after the release (see `withdraw_intent`), so that
+/// the unanswered attempt cannot set it again after it was taken back.
+pub(crate) fn release_behind_acquire(inner: &Arc<Inner>, ids: HoldIds, intent: Option<String>) {
     let ids = Arc::new(ids);
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return release_in_background(inner, ids, None);
+        let task = release_then_withdraw(inner.clone(), ids, intent);
+        return inner.driver.spawn(task);
     };
     let (answered, answer) = oneshot::channel();
     let here = {
-        let (inner, ids) = (inner.clone(), ids.clone());
+        let (inner, ids, intent) = (inner.clone(), ids.clone(), intent.clone());
         async move {
             if let Ok(released) = inner.backend.release(&ids, Duration::ZERO).await {
                 if released {
                     inner.waiters.released(&ids.wake);
+                }
+                if let Some(intent) = intent {
+                    withdraw_intent(inner, ids, intent).await;
                 }
                 let _ = answered.send(());
             }
@@ -607,11 +614,34 @@ pub(crate) fn release_behind_acquire(inner: &Arc<Inner>, ids: HoldIds) {
         let inner = inner.clone();
         async move {
             if answer.await.is_err() {
-                release_logged(inner, ids, None).await;
+                release_then_withdraw(inner, ids, intent).await;
             }
         }
     };
     inner.driver.spawn(fallback);
+}
+
+async fn release_then_withdraw(inner: Arc<Inner>, ids: Arc<HoldIds>, intent: Option<String>) {
+    release_logged(inner.clone(), ids.clone(), None).await;
+    if let Some(intent) = intent {
+        withdraw_intent(inner, ids, intent).await;
+    }
+}
+
+/// Takes back the write intent `intent` of the writer `ids` (which gave up without the
+/// lock), if it is still that writer's, and wakes the readers it kept out.
+pub(crate) async fn withdraw_intent(inner: Arc<Inner>, ids: Arc<HoldIds>, intent: String) {
+    match inner
+        .backend
+        .withdraw_intent(&intent, &ids.wake, &ids.token)
+        .await
+    {
+        Ok(true) => inner.waiters.released(&ids.wake),
+        Ok(false) => {}
+        Err(error) => {
+            tracing::debug!(%error, "a write intent could not be taken back; it expires");
+        }
+    }
 }
 
 /// A release of fair lock `ids` (sent at `sent`) granted it to the owner of token `next`: if

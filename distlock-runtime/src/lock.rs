@@ -458,11 +458,7 @@ async fn acquire(
     if plan.retries > 0 && !shares && inner.waiters.has_waiters(&request.wake) {
         return Box::pin(wait(manager, plan, request, kind, record, started, None)).await;
     }
-    let mut in_flight = InFlight {
-        manager,
-        request: &request,
-        maybe_held: false,
-    };
+    let mut in_flight = InFlight::new(manager, &request, false);
     // Inline, not boxed: a box this size costs the allocator's slow path on every lock
     // (about 5 % of the client's work per lock). The waiting loop, several times larger,
     // stays boxed, out of the futures of the callers that nest this one.
@@ -522,18 +518,11 @@ async fn wait(
 ) -> Result<LockGuard, LockError> {
     let inner = &manager.inner;
     let deadline = plan.wait.map(|wait| started + wait);
-    let mut in_flight = InFlight {
+    let mut in_flight = InFlight::new(
         manager,
-        request: &request,
-        maybe_held: first.as_ref().is_some_and(|first| first.maybe_held),
-    };
-    // Declared after `in_flight`, so dropped before it: a withdrawal never overtakes the
-    // release of a write lock an unanswered attempt may hold.
-    let mut intent = Intent {
-        manager,
-        request: &request,
-        left: false,
-    };
+        &request,
+        first.as_ref().is_some_and(|first| first.maybe_held),
+    );
     let give_up = |attempts, failure: Option<redis::RedisError>| match failure {
         // The last word decides: a failure to reach Redis is not reported as "busy".
         Some(error) => LockError::redis(&plan.keys.name, error),
@@ -602,7 +591,6 @@ async fn wait(
                 // The hand-off gave this request's own token: it covers any grant an unanswered
                 // attempt may hold, which must not be released now.
                 in_flight.maybe_held = false;
-                drop(intent);
                 drop(in_flight);
                 let taken = Taken {
                     attempts,
@@ -650,7 +638,6 @@ async fn wait(
                     // The hand-off gave this request's own token: it covers any grant an unanswered
                     // attempt may hold, which must not be released now.
                     in_flight.maybe_held = false;
-                    drop(intent);
                     drop(in_flight);
                     let taken = Taken {
                         attempts,
@@ -667,11 +654,10 @@ async fn wait(
                 Some(first) => (first.sent, first.outcome),
                 None => send_attempt(manager, &plan, &request, &mut in_flight).await?,
             };
-            intent.answered(outcome.as_ref().ok());
+            in_flight.answered(outcome.as_ref().ok());
             let holder_ttl = match outcome {
                 Ok(Attempt::Held { fence }) => {
                     in_flight.maybe_held = false;
-                    drop(intent);
                     drop(in_flight);
                     if let (true, Some(ticket)) = (hand_off, &ticket) {
                         ticket.holding(saturating_add(sent, plan.ttl));
@@ -768,7 +754,6 @@ async fn wait(
             // The hand-off gave this request's own token: it covers any grant an unanswered
             // attempt may hold, which must not be released now.
             in_flight.maybe_held = false;
-            drop(intent);
             drop(in_flight);
             let taken = Taken {
                 attempts,
@@ -807,11 +792,7 @@ async fn fair(
     };
     // From the first attempt until the request settles, it may have an entry in the queue, or
     // a lock granted to it: dropped, it takes both back, right behind its last attempt.
-    let mut queued = InFlight {
-        manager,
-        request: &request,
-        maybe_held: false,
-    };
+    let mut queued = InFlight::new(manager, &request, false);
     let join_fair = || {
         inner.waiters.join_fair(
             &request.wake,
@@ -1212,62 +1193,66 @@ pub(crate) fn is_transient(error: &redis::RedisError) -> bool {
 
 /// An attempt whose answer has not arrived: if the request is dropped here, the hold may
 /// exist on the server, so a release is sent behind it on the same connection.
+///
+/// It also covers a writer's intent. A writer refused while it may try again leaves an
+/// intent that keeps new readers out (see `write_acquire.lua`); one that stops waiting
+/// without the lock — it gives up, fails, or is cancelled — takes its intent back at once,
+/// which wakes the readers it kept out: a free lock does not stay closed to them until the
+/// intent expires. Behind an unanswered attempt, the intent is taken back after that
+/// attempt's release, on the same connection, so that the attempt cannot set it again after.
 struct InFlight<'a> {
     manager: &'a LockManager,
     request: &'a AcquireRequest,
     maybe_held: bool,
+    /// An intent of this request may be in Redis (an answered attempt was refused).
+    intent_left: bool,
 }
 
-/// A writer refused while it may try again leaves an intent that keeps new readers out (see
-/// `write_acquire.lua`). One that stops waiting without the lock — it gives up, fails, or is
-/// cancelled — takes its intent back at once from the manager's runtime, which wakes the
-/// readers it kept out: a free lock does not stay closed to them until the intent expires.
-struct Intent<'a> {
-    manager: &'a LockManager,
-    request: &'a AcquireRequest,
-    /// An intent of this request may be in Redis.
-    left: bool,
-}
-
-impl Intent<'_> {
-    /// Notes what an attempt's answer (`None`: none came) means for the intent.
-    fn answered(&mut self, attempt: Option<&Attempt>) {
-        if let Shape::Write { intent_lease, .. } = &self.request.shape {
-            // A writer granted the lock took its own intent back in the same script; one
-            // whose answer was lost may have left one.
-            self.left =
-                !intent_lease.is_zero() && matches!(attempt, None | Some(Attempt::Busy { .. }));
+impl<'a> InFlight<'a> {
+    fn new(manager: &'a LockManager, request: &'a AcquireRequest, maybe_held: bool) -> Self {
+        Self {
+            manager,
+            request,
+            maybe_held,
+            intent_left: false,
         }
     }
-}
 
-impl Drop for Intent<'_> {
-    fn drop(&mut self) {
-        let Shape::Write { intent, .. } = &self.request.shape else {
-            return;
-        };
-        if !self.left {
-            return;
+    /// The intent this request leaves while refused, if it leaves one.
+    fn intent(&self) -> Option<&str> {
+        match &self.request.shape {
+            Shape::Write {
+                intent,
+                intent_lease,
+            } if !intent_lease.is_zero() => Some(intent),
+            _ => None,
         }
-        let inner = self.manager.inner.clone();
-        let (intent, wake, token) = (
-            intent.clone(),
-            self.request.wake.clone(),
-            self.request.token.clone(),
-        );
-        self.manager.inner.driver.spawn(async move {
-            if let Err(error) = inner.backend.withdraw_intent(&intent, &wake, &token).await {
-                tracing::debug!(%error, "a write intent could not be taken back; it expires");
-            }
-        });
+    }
+
+    /// Notes what an attempt's answer (`None`: none came) means for the intent: a writer
+    /// granted the lock took its own intent back in the same script; one refused, or whose
+    /// answer was lost, may have left one.
+    fn answered(&mut self, attempt: Option<&Attempt>) {
+        self.intent_left =
+            self.intent().is_some() && matches!(attempt, None | Some(Attempt::Busy { .. }));
     }
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
+        let intent = self
+            .intent()
+            .filter(|_| self.intent_left || self.maybe_held)
+            .map(str::to_owned);
+        let inner = &self.manager.inner;
         if self.maybe_held {
             let ids = self.request.hold_ids();
-            crate::guard::release_behind_acquire(&self.manager.inner, ids);
+            crate::guard::release_behind_acquire(inner, ids, intent);
+        } else if let Some(intent) = intent {
+            let ids = Arc::new(self.request.hold_ids());
+            inner
+                .driver
+                .spawn(crate::guard::withdraw_intent(inner.clone(), ids, intent));
         }
     }
 }
