@@ -103,6 +103,30 @@ async fn wait_bounds_the_total_time() {
 }
 
 #[tokio::test]
+async fn wait_bounds_a_waiter_whose_fallback_timer_is_far_off() {
+    let server = shared_server();
+    let prefix = unique_prefix("wait-far");
+    let locks = manager(&server, &prefix).await;
+    let _held = locks
+        .lock("k")
+        .ttl(Duration::from_secs(600))
+        .acquire()
+        .await
+        .unwrap();
+    // Its timer would fire minutes from now: only the deadline ends the wait.
+    let waiting = locks
+        .lock("k")
+        .wait(Duration::from_millis(200))
+        .retry_delay(Duration::from_secs(600))
+        .acquire();
+    match tokio::time::timeout(Duration::from_secs(10), waiting).await {
+        Ok(Err(LockError::Busy { .. })) => {}
+        Ok(other) => panic!("expected Busy, got {other:?}"),
+        Err(_) => panic!("a wait of 200 ms went on past 10 s"),
+    }
+}
+
+#[tokio::test]
 async fn a_waiter_gets_the_lock_once_it_is_released() {
     let server = shared_server();
     let prefix = unique_prefix("handoff");

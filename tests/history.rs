@@ -54,6 +54,9 @@ const STARVED: Duration = Duration::from_millis(250);
 /// After an injected fault ends, connections and subscriptions take this long to recover: a
 /// free stretch that overlaps a fault window may last the window and this much longer.
 const RECOVERY: Duration = Duration::from_millis(1_500);
+/// How long past its `wait` an acquire may still run (an attempt in flight, a loaded
+/// machine).
+const OVERSTAY: Duration = Duration::from_secs(2);
 /// How often the monitor samples each key.
 const SAMPLE: Duration = Duration::from_millis(15);
 
@@ -652,8 +655,20 @@ async fn take(
     let attempt = plan.request(locks);
     let result = if plan.wait.is_some() {
         let waiting = world.history.waits(&format!("{who} {plan:?}"), plan.key);
+        let asked = Instant::now();
         let result = world.bounded("acquire", attempt.acquire()).await;
         drop(waiting);
+        // The wait bounds the call: past it, only an attempt in flight (bounded by the
+        // response timeout) may finish.
+        let took = asked.elapsed();
+        if let Some(wait) = plan.wait
+            && took > wait + OVERSTAY
+        {
+            world.history.violation(format!(
+                "wait: {who}'s acquire of {} with a wait of {wait:?} took {took:?}",
+                plan.key
+            ));
+        }
         result?.map(Some)
     } else {
         world.bounded("try_acquire", attempt.try_acquire()).await?

@@ -79,9 +79,9 @@ MUTATIONS = [
        "    redis.call('hset', lock, 'mode', 'write', token, 1)\n  end\n  redis.call('pexpire', lock, lease * 10)")]),
     # --- Rust: the stand-aside rule, deadlines, cancellation, hand-offs
     ("lock: a writer that gives up leaves its intent", "liveness",
-     [(RT + "lock.rs", "            self.left =\n",
-       "            self.left = false &&\n")]),
-    ("guard: a hand-off whose taker is gone is not released", "handoff",
+     [(RT + "lock.rs", "            self.intent().is_some() && matches!(attempt, None | Some(Attempt::Busy { .. }));",
+       "            false && matches!(attempt, None | Some(Attempt::Busy { .. }));")]),
+    ("guard: a hand-off whose taker is gone is not released", "liveness",
      [(RT + "guard.rs", "        if let Some((inner, ids)) = self.unclaimed.take() {\n            release_in_background(&inner, ids, None);",
        "        if let Some((_inner, _ids)) = self.unclaimed.take() {")]),
     ("waiters: a leaving head does not tell the next one", "waiting",
@@ -89,9 +89,11 @@ MUTATIONS = [
     ("waiters: a release does not wake the local head", "waiting",
      [(RT + "waiters.rs", "        self.wakes.fetch_add(1, Ordering::AcqRel);\n        self.wake.notify_one();",
        "")]),
-    ("lock: a waiter ignores its deadline after a wake-up", "waiting",
-     [(RT + "lock.rs", "        if deadline.is_some_and(|d| d <= Instant::now()) {\n            return Err(give_up(attempts, last_word(&ticket, &failure)));\n        }\n    }\n}",
-       "    }\n}")]),
+    ("lock: a waiter's sleep is not bounded by its deadline", "exclusive",
+     [(RT + "lock.rs", "for bound in [deadline, sitting_out]", "for bound in [sitting_out]")]),
+    ("retry: the fallback timer is not bounded by the holder's lease", "waiting",
+     [(RT + "retry.rs", "Some(ttl) => jittered.min(ttl.saturating_add(Duration::from_millis(1))),",
+       "Some(_) => jittered,")]),
     ("lock: a cancelled attempt leaves its lock behind", "lifecycle",
      [(RT + "lock.rs", "        if self.maybe_held {\n            let ids = self.request.hold_ids();",
        "        if false && self.maybe_held {\n            let ids = self.request.hold_ids();")]),
@@ -121,12 +123,6 @@ def cargo_test(name):
 
 def apply(edits):
     """Applies `edits`; returns the originals to restore, or raises if one does not apply."""
-    if isinstance(edits, str):
-        _, commit, path = edits.split(":")
-        patch = subprocess.run(["git", "diff", f"{commit}^", commit, "--", path], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout
-        subprocess.run(["git", "apply", "-R"], cwd=ROOT, input=patch, text=True, check=True)
-        return ("git", path)
     saved = {}
     for file, text, replacement in edits:
         path = ROOT / file
@@ -140,9 +136,6 @@ def apply(edits):
 
 
 def restore(saved):
-    if isinstance(saved, tuple):
-        subprocess.run(["git", "checkout", "--", saved[1]], cwd=ROOT, check=True)
-        return
     for file, source in saved.items():
         (ROOT / file).write_text(source)
 
