@@ -426,3 +426,48 @@ async fn a_fair_grant_to_another_process_is_announced_not_found_by_its_refresh()
     );
     guard.unwrap().release().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_reader_and_a_writer_of_one_process_queued_in_that_order_both_get_in() {
+    let (server, prefix, here, there) = two_processes("own-writer").await;
+    // Another process holds the lock; this one's reader waits first (the head of its queue).
+    let held = there.lock("k").ttl(LONG).acquire().await.unwrap();
+    let reader = {
+        let here = here.clone();
+        tokio::spawn(async move {
+            here.read_lock("k")
+                .ttl(LONG)
+                .retry_delay(NEVER)
+                .retries(5)
+                .acquire()
+                .await
+        })
+    };
+    queued(&here).await;
+    subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    // Then this process's writer, which queues behind the reader. (Had its own first attempt
+    // been refused before the reader queued, its intent would keep the reader out of the
+    // free lock with nobody to take it: a writer that queues behind its own process's
+    // waiters takes its intent back.)
+    let writer = {
+        let here = here.clone();
+        tokio::spawn(async move {
+            here.write_lock("k")
+                .ttl(LONG)
+                .retry_delay(NEVER)
+                .retries(5)
+                .acquire()
+                .await
+        })
+    };
+    let started = std::time::Instant::now();
+    while here.stats().waiting_requests < 2 {
+        assert!(started.elapsed() < SOON, "the writer never queued");
+        tokio::task::yield_now().await;
+    }
+    held.release().await.unwrap();
+    let read = gets_in(reader, "a reader ahead of its own process's writer").await;
+    read.release().await.unwrap();
+    let write = gets_in(writer, "the writer after the reader").await;
+    write.release().await.unwrap();
+}

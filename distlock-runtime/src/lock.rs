@@ -719,6 +719,12 @@ async fn wait(
                 // (a release between the busy answer and the subscription publishes unheard).
                 let joined = join();
                 joined.heard(failure.clone());
+                // A writer queued behind waiters of its own manager does not compete before its
+                // turn: its intent would only keep those ahead of it (readers) out of a free
+                // lock, with nobody to take it. It leaves one again once refused as the head.
+                if !joined.is_head() {
+                    in_flight.withdraw_intent();
+                }
                 ticket = Some(joined);
                 continue;
             }
@@ -1235,6 +1241,22 @@ impl<'a> InFlight<'a> {
     fn answered(&mut self, attempt: Option<&Attempt>) {
         self.intent_left =
             self.intent().is_some() && matches!(attempt, None | Some(Attempt::Busy { .. }));
+    }
+}
+
+impl InFlight<'_> {
+    /// Takes back the intent an answered, refused attempt left, now.
+    fn withdraw_intent(&mut self) {
+        if !self.intent_left || self.maybe_held {
+            return;
+        }
+        self.intent_left = false;
+        if let Some(intent) = self.intent() {
+            let inner = &self.manager.inner;
+            let ids = Arc::new(self.request.hold_ids());
+            let withdraw = crate::guard::withdraw_intent(inner.clone(), ids, intent.to_owned());
+            inner.driver.spawn(withdraw);
+        }
     }
 }
 

@@ -96,6 +96,9 @@ pub struct Stats {
     /// Waiting tasks ready to take such a hand-off right now (at most one per key: the head
     /// of its local queue, between its attempts).
     pub ready_for_handoff: usize,
+    /// Requests queued behind a busy lock right now, over every key (the head of each local
+    /// queue included; a first attempt not yet answered is not counted).
+    pub waiting_requests: usize,
 }
 
 impl LockManager {
@@ -182,6 +185,7 @@ impl LockManager {
             watched_leases: self.inner.watchdog.watched(),
             local_handoffs: self.inner.waiters.handoffs(),
             ready_for_handoff: self.inner.waiters.offers(),
+            waiting_requests: self.inner.waiters.queued(),
         }
     }
 

@@ -237,6 +237,12 @@ impl Waiters {
             .count()
     }
 
+    /// How many requests are queued right now, over every key.
+    pub(crate) fn queued(&self) -> usize {
+        let keys: Vec<_> = self.shared.lock_keys().values().cloned().collect();
+        keys.iter().map(|key| key.lock_queue().entries.len()).sum()
+    }
+
     /// How many keys have local waiters (and a subscription) right now.
     pub(crate) fn waiting_keys(&self) -> usize {
         self.shared.lock_keys().len()
@@ -630,6 +636,11 @@ impl Ticket {
             Some(signal) => signal.notified().await,
             None => std::future::pending().await,
         }
+    }
+
+    /// Whether this ticket is at the head of its queue now.
+    pub(crate) fn is_head(&self) -> bool {
+        self.key.lock_queue().head() == Some(self.id)
     }
 
     /// Waits until this ticket is at the head of its queue.
