@@ -621,3 +621,43 @@ async fn huge_builder_durations_build_a_working_manager_or_are_refused() {
         guard.release().await.unwrap();
     }
 }
+
+/// File descriptors this process has open (Linux); `None` elsewhere.
+fn open_files() -> Option<usize> {
+    std::fs::read_dir("/proc/self/fd").ok().map(Iterator::count)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runtimes_that_come_and_go_leave_no_connections_behind() {
+    let server = shared_server();
+    let prefix = unique_prefix("runtimes");
+    let locks = manager(&server, &prefix).await;
+    // Each runtime locks through a connection of its own; once it shuts down, that
+    // connection (and what it holds of the runtime: its socket, its poller) must go.
+    let cycle = |locks: LockManager| {
+        tokio::task::spawn_blocking(move || {
+            for _ in 0..200 {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                runtime.block_on(async {
+                    let guard = locks.lock("k").acquire().await.unwrap();
+                    guard.release().await.unwrap();
+                });
+                drop(runtime);
+            }
+        })
+    };
+    cycle(locks.clone()).await.unwrap();
+    let Some(before) = open_files() else {
+        return; // no /proc: nothing to count
+    };
+    cycle(locks.clone()).await.unwrap();
+    let after = open_files().unwrap();
+    assert!(
+        after < before + 150,
+        "200 runtimes came and went, and {} files stayed open ({before} before, {after} after)",
+        after.saturating_sub(before)
+    );
+}

@@ -513,7 +513,20 @@ impl Node {
                 Conn::Single(Link::new(self.client(), self.pool.config.clone(), lost))
             }
         };
-        Ok(self.lock_conns().entry(id).or_insert(conn).clone())
+        let mut conns = self.lock_conns();
+        if !conns.contains_key(&id) {
+            // When this runtime shuts down it drops its tasks, this one among them, and the
+            // runtime's connections go with it (each holds resources of that runtime).
+            let forget = Forget {
+                pool: Arc::downgrade(&self.pool),
+                id,
+            };
+            drop(tokio::spawn(async move {
+                let _forget = forget;
+                std::future::pending::<()>().await;
+            }));
+        }
+        Ok(conns.entry(id).or_insert(conn).clone())
     }
 
     fn known_conn(&self, id: runtime::Id) -> Option<Conn> {
@@ -1084,4 +1097,26 @@ pub(super) fn bounded<T>(
             )))
         })
     })
+}
+
+/// Forgets the connections of one runtime when dropped: by the runtime, as it shuts down.
+struct Forget {
+    pool: std::sync::Weak<Pool>,
+    id: runtime::Id,
+}
+
+impl Drop for Forget {
+    fn drop(&mut self) {
+        let Some(pool) = self.pool.upgrade() else {
+            return;
+        };
+        pool.by_runtime
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.id);
+        pool.replicated
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.id);
+    }
 }
