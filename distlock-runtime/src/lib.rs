@@ -16,6 +16,34 @@
 //! executor) past its lease and keep working without knowing; no lock service can prevent
 //! that. For efficiency (avoid doing work twice) this is enough. For correctness (never
 //! corrupt data), have the protected storage check [fencing tokens](LockGuard::fencing_token).
+//!
+//! # Words the code uses
+//!
+//! * **lock** — one name under the manager's prefix (`prefix{name}`), whatever kind it is
+//!   taken as; its companion keys (wake channel, fencing counter, shares, intent, queue)
+//!   share its hash tag.
+//! * **owner token** — 128 random-looking bits that name one acquisition context; release,
+//!   extend and renewal compare it on the server.
+//! * **hold** — one acquisition by an owner. Nested acquisitions of the same owner are holds
+//!   of one lock, counted in the process; the lock is given back with the last.
+//! * **share** — the part of a read lock or semaphore one owner has: its own lease key
+//!   (`…:s:<token>`), so that a reader that dies frees its share alone.
+//! * **lease** — how long the server keeps a hold without a renewal (the key's `PX`); the
+//!   guard's [`remaining`](LockGuard::remaining) is the client's conservative view of it.
+//! * **grant** — the server's answer that a request now holds the lock.
+//! * **waiter**, **head** — a request that found the lock busy and waits for it; waiters of
+//!   one manager for one key form a local queue, and only its head asks the server.
+//! * **wake channel** — `…:wake`: a release publishes on it; each manager follows the
+//!   channels its waiters need.
+//! * **offer**, **hand-off** — a plain waiter's standing offer to take the lock (its token and
+//!   lease); a release by the same manager swaps the owner to it in its own round trip. Other
+//!   processes are told to stand aside only for a hand-off that landed.
+//! * **run** — consecutive hand-offs within one manager; bounded, then the lock goes to
+//!   everyone.
+//! * **intent** — `…:wi`: a waiting writer's mark that keeps new readers out until it gets in,
+//!   or stops waiting and takes the mark back.
+//! * **fencing token** — a per-key counter drawn at each grant (with `fencing`), strictly
+//!   increasing.
 #![warn(
     missing_docs,
     missing_debug_implementations,
