@@ -39,6 +39,17 @@ async fn subscribed(server: &RedisServer, channel: &str) {
     }
 }
 
+/// Waits until the server has answered `attempts` acquire attempts of `locks`: a waiter that
+/// asked, queued, followed the wake channel and asked again (two answers) now sleeps until a
+/// wake-up or its timer.
+async fn asleep(locks: &LockManager, attempts: u64) {
+    let started = std::time::Instant::now();
+    while locks.stats().attempts < attempts {
+        assert!(started.elapsed() < SOON, "the waiter never asked twice");
+        tokio::task::yield_now().await;
+    }
+}
+
 /// Waits until `locks` has a request queued for `key` (the head of its local queue, or one
 /// behind it).
 async fn queued(locks: &LockManager) {
@@ -108,6 +119,7 @@ async fn a_local_waiter_cancelled_as_the_lock_is_released_leaves_it_to_everyone(
     let held = here.lock("k").ttl(LONG).acquire().await.unwrap();
     let b = other_process_waits(&there, "k");
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    asleep(&there, 2).await;
     // A's own waiter for the same plain lock, ready to take a hand-off.
     let local = {
         let here = here.clone();
@@ -131,6 +143,7 @@ async fn a_local_waiter_that_cannot_take_a_hand_off_and_is_cancelled_leaves_it_t
     let held = here.lock("k").ttl(LONG).acquire().await.unwrap();
     let b = other_process_waits(&there, "k");
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    asleep(&there, 2).await;
     // A's own waiter wants a fencing token, which only the script gives: no hand-off.
     let local = {
         let here = here.clone();
@@ -164,6 +177,7 @@ async fn a_local_waiter_whose_wait_runs_out_at_the_release_leaves_it_to_everyone
     let held = here.lock("k").ttl(LONG).acquire().await.unwrap();
     let b = other_process_waits(&there, "k");
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    asleep(&there, 2).await;
     // A's own waiter (a reader: it takes no hand-off) gives up at its deadline, which the
     // release below meets: the release is answered, then the deadline passes before the
     // waiter runs again.
@@ -217,6 +231,7 @@ async fn reader_kept_out_by_another_process_writer(holder_kind: &str) {
         })
     };
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    asleep(&there, 2).await;
     let intent = format!("{prefix}{{k}}:wi");
     let started = std::time::Instant::now();
     while server.command(&["EXISTS", &intent]).unwrap().trim() != ":1" {
@@ -264,6 +279,7 @@ async fn a_release_of_a_key_a_local_set_waits_on_wakes_the_other_process() {
     let held = here.lock("b").ttl(LONG).acquire().await.unwrap();
     let b = other_process_waits(&there, "b");
     subscribed(&server, &format!("{prefix}{{b}}:wake")).await;
+    asleep(&there, 2).await;
     // A's set waits on `b` (its first busy key), and will move on to `a`.
     let set = {
         let here = here.clone();
@@ -331,6 +347,7 @@ async fn writer_leaves_without_the_lock(cancelled: bool) {
     // A reader of a third process finds the intent and sleeps; only a wake-up lets it in
     // before the intent (as long as the writer's lease) expires.
     let third = manager(&server, &prefix).await;
+    let third_asks = third.clone();
     let reader = tokio::spawn(async move {
         third
             .read_lock("k")
@@ -341,6 +358,7 @@ async fn writer_leaves_without_the_lock(cancelled: bool) {
             .await
     });
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    asleep(&third_asks, 2).await;
     if cancelled {
         writer.abort();
         assert!(writer.await.unwrap_err().is_cancelled());
@@ -370,6 +388,7 @@ async fn the_release_of_a_fenced_lock_wakes_the_other_process() {
         .unwrap();
     let b = other_process_waits(&there, "k");
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    asleep(&there, 2).await;
     held.release().await.unwrap();
     let guard = gets_in(b, "the release of a fenced lock").await;
     guard.release().await.unwrap();
@@ -392,6 +411,7 @@ async fn the_last_reader_release_wakes_the_other_process_writer() {
         })
     };
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    asleep(&there, 2).await;
     read.release().await.unwrap();
     let guard = gets_in(writer, "the last reader's release").await;
     guard.release().await.unwrap();
@@ -401,19 +421,23 @@ async fn the_last_reader_release_wakes_the_other_process_writer() {
 async fn a_fair_grant_to_another_process_is_announced_not_found_by_its_refresh() {
     let (server, prefix, here, there) = two_processes("fair-grant").await;
     let held = here.lock("k").fair(true).ttl(LONG).acquire().await.unwrap();
-    let waiting = tokio::spawn(async move {
-        let asked = std::time::Instant::now();
-        let guard = there
-            .lock("k")
-            .fair(true)
-            .ttl(LONG)
-            .retry_delay(NEVER)
-            .wait(SOON)
-            .acquire()
-            .await;
-        (guard, asked)
+    let waiting = tokio::spawn({
+        let there = there.clone();
+        async move {
+            let asked = std::time::Instant::now();
+            let guard = there
+                .lock("k")
+                .fair(true)
+                .ttl(LONG)
+                .retry_delay(NEVER)
+                .wait(SOON)
+                .acquire()
+                .await;
+            (guard, asked)
+        }
     });
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
+    asleep(&there, 2).await;
     let released = std::time::Instant::now();
     held.release().await.unwrap();
     let (guard, _) = waiting.await.unwrap();

@@ -945,6 +945,9 @@ async fn send_attempt(
         .inner
         .exec(move |backend| async move { backend.acquire(&attempt).await })
         .await?;
+    if outcome.is_ok() {
+        manager.inner.waiters.attempted();
+    }
     Ok((sent, outcome))
 }
 

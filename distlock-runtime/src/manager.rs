@@ -99,6 +99,9 @@ pub struct Stats {
     /// Requests queued behind a busy lock right now, over every key (the head of each local
     /// queue included; a first attempt not yet answered is not counted).
     pub waiting_requests: usize,
+    /// Acquire attempts of single-key requests that the server has answered so far (a
+    /// request that waits makes one, then one more per wake-up or timer).
+    pub attempts: u64,
 }
 
 impl LockManager {
@@ -186,6 +189,7 @@ impl LockManager {
             local_handoffs: self.inner.waiters.handoffs(),
             ready_for_handoff: self.inner.waiters.offers(),
             waiting_requests: self.inner.waiters.queued(),
+            attempts: self.inner.waiters.attempts(),
         }
     }
 

@@ -57,6 +57,8 @@ struct Shared {
     shut: AtomicBool,
     /// Locks handed to a local waiter by a release.
     handoffs: AtomicU64,
+    /// Acquire attempts of single-key requests answered by the server.
+    attempts: AtomicU64,
     /// What this manager's releases publish (see `ConnectOptions::tag`).
     tag: Arc<str>,
     connect_timeout: Duration,
@@ -196,6 +198,7 @@ impl Waiters {
                 closed: AtomicU64::new(0),
                 shut: AtomicBool::new(false),
                 handoffs: AtomicU64::new(0),
+                attempts: AtomicU64::new(0),
                 tag,
                 connect_timeout,
                 response_timeout,
@@ -216,6 +219,16 @@ impl Waiters {
     /// How many locks releases handed to a local waiter so far.
     pub(crate) fn handoffs(&self) -> u64 {
         self.shared.handoffs.load(Ordering::Relaxed)
+    }
+
+    /// How many acquire attempts of single-key requests the server answered so far.
+    pub(crate) fn attempts(&self) -> u64 {
+        self.shared.attempts.load(Ordering::Relaxed)
+    }
+
+    /// Counts an acquire attempt answered.
+    pub(crate) fn attempted(&self) {
+        self.shared.attempts.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a lock handed to a local waiter.
