@@ -57,6 +57,9 @@ const RECOVERY: Duration = Duration::from_millis(1_500);
 /// How long past its `wait` an acquire may still run (an attempt in flight, a loaded
 /// machine).
 const OVERSTAY: Duration = Duration::from_secs(2);
+/// Without faults, how long a plain lock may stay owned by a token that no holder in the
+/// history has (a release on its way; a fair grant to a waiter that left, 2 s at most).
+const ORPHANED: Duration = Duration::from_secs(3);
 /// How often the monitor samples each key.
 const SAMPLE: Duration = Duration::from_millis(15);
 
@@ -1043,8 +1046,10 @@ async fn robbed(
 /// sleeps waiting for it, for longer than `STARVED` plus the fault allowance, is a liveness
 /// violation; an exclusive holder's key whose lease outlasts what its owner asked for, a
 /// lease violation.
-async fn monitor(world: World, locks: LockManager, stop: Arc<tokio::sync::Notify>) {
+async fn monitor(world: World, locks: LockManager, stop: Arc<tokio::sync::Notify>, faults: bool) {
     let mut free_since: HashMap<&str, Instant> = HashMap::new();
+    // A plain lock owned by a token that no holder in the history has: since when, by whom.
+    let mut orphaned: HashMap<&str, (String, Instant)> = HashMap::new();
     let stopped = stop.notified();
     tokio::pin!(stopped);
     loop {
@@ -1055,9 +1060,55 @@ async fn monitor(world: World, locks: LockManager, stop: Arc<tokio::sync::Notify
         for key in KEYS {
             let sampled = Instant::now();
             let pttl = world.probe.pttl(&locks.redis_key(key)).await;
+            // Without faults every release arrives: a plain lock whose owner left the history
+            // (released, dropped, cancelled) is gone within moments, not at its lease's end.
+            let owner = match (&world.probe, faults, pttl) {
+                (Probe::One(conn), false, Some(ms)) if ms > 0 => {
+                    let mut conn = conn.clone();
+                    redis::cmd("GET")
+                        .arg(locks.redis_key(key))
+                        .query_async::<Option<String>>(&mut conn)
+                        .await
+                        .ok()
+                        .flatten()
+                }
+                _ => None,
+            };
             let now = Instant::now();
             let mut state = world.history.lock();
             state.liveness_samples += 1;
+            match owner {
+                Some(owner)
+                    if !state
+                        .holders
+                        .get(key)
+                        .into_iter()
+                        .flatten()
+                        .any(|h| h.owner == owner) =>
+                {
+                    let since = match orphaned.get(key) {
+                        Some((o, since)) if *o == owner => *since,
+                        _ => {
+                            orphaned.insert(key, (owner.clone(), sampled));
+                            sampled
+                        }
+                    };
+                    if now.saturating_duration_since(since) > ORPHANED {
+                        let what = format!(
+                            "orphan: {key} held by {} for {:?}, a token no holder has",
+                            &owner[owner.len().saturating_sub(8)..],
+                            now.saturating_duration_since(since)
+                        );
+                        orphaned.remove(key);
+                        drop(state);
+                        world.history.violation(what);
+                        state = world.history.lock();
+                    }
+                }
+                _ => {
+                    orphaned.remove(key);
+                }
+            }
             // Prolonged leases: the key outlives what every live exclusive owner asked for.
             let capped: Vec<(String, Duration)> = state
                 .holders
@@ -1163,7 +1214,12 @@ struct Run {
 /// down and checks that nothing is left.
 async fn run_programs(seed: u64, world: &World, managers: &[LockManager], run: &Run, faults: bool) {
     let stop = Arc::new(tokio::sync::Notify::new());
-    let watching = tokio::spawn(monitor(world.clone(), managers[0].clone(), stop.clone()));
+    let watching = tokio::spawn(monitor(
+        world.clone(),
+        managers[0].clone(),
+        stop.clone(),
+        faults,
+    ));
     let mut tasks = tokio::task::JoinSet::new();
     for (m, locks) in managers.iter().enumerate() {
         for t in 0..run.tasks {
