@@ -474,7 +474,8 @@ impl Probe {
     }
 
     /// Deletes the lock key wherever `owner` still holds it, and wakes its waiters (as an
-    /// operator's `DEL` followed by a `PUBLISH`): whether any copy was deleted.
+    /// operator's `DEL` followed by a `PUBLISH`): whether the lock was taken away (on RedLock,
+    /// from a majority of the masters).
     async fn steal(&self, key: &str, wake: &str, owner: &str) -> bool {
         let script = redis::Script::new(
             "local t = redis.call('type', KEYS[1])['ok'] \
@@ -496,10 +497,17 @@ impl Probe {
                 answer.ok().and_then(Result::ok).unwrap_or(0)
             }
         });
-        futures_util::future::join_all(steals)
+        let deleted = futures_util::future::join_all(steals)
             .await
             .into_iter()
-            .any(|deleted| deleted > 0)
+            .filter(|deleted| *deleted > 0)
+            .count();
+        match self {
+            // The robbed owner still holds the lock while a majority keeps its copies (a
+            // master paused or restarting missed the DEL).
+            Self::Masters(conns) => deleted * 2 > conns.len(),
+            _ => deleted > 0,
+        }
     }
 }
 
