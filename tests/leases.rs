@@ -110,12 +110,54 @@ async fn a_stolen_lock_is_never_extended_by_the_old_watchdog() {
         .await
         .expect("lost reported");
     assert!(lost.is_lost());
-    assert!(locks.stats().leases_lost >= 1);
+    // Counted right after the guard was told.
+    let started = Instant::now();
+    while locks.stats().leases_lost == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the loss was never counted"
+        );
+        tokio::task::yield_now().await;
+    }
     let pttl: i64 = conn.pttl(&key).await.unwrap();
     assert!(pttl <= 5_000, "the thief's lease was extended: {pttl}");
     let thief: bool = conn.hexists(&key, "thief").await.unwrap();
     assert!(thief);
     assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+    let _: () = conn.del(&key).await.unwrap();
+}
+
+#[tokio::test]
+async fn the_renewal_that_finds_the_lock_taken_marks_the_lease_lost_at_once() {
+    let server = shared_server();
+    let prefix = unique_prefix("stolen-at-once");
+    let locks = manager(&server, &prefix).await;
+    let mut conn = raw(&server).await;
+    // A lease long enough that its local deadline is far off when the renewal finds out.
+    let guard = locks
+        .lock("k")
+        .ttl(Duration::from_secs(3))
+        .watchdog(true)
+        .acquire()
+        .await
+        .unwrap();
+    let key = locks.redis_key("k");
+    let _: () = conn.del(&key).await.unwrap();
+    let _: () = conn.set_ex(&key, "thief", 30).await.unwrap();
+    let started = Instant::now();
+    while locks.stats().leases_lost == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no renewal found the lock taken"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Not at the end of the local lease, seconds later: now.
+    assert!(
+        guard.is_lost(),
+        "the renewal saw the thief, and the guard does not know"
+    );
+    assert_eq!(guard.remaining(), Duration::ZERO);
     let _: () = conn.del(&key).await.unwrap();
 }
 

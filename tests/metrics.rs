@@ -296,6 +296,8 @@ async fn watchdog_renewals_and_a_renewal_that_finds_the_key_gone() {
     assert!(guard.release().await.is_err());
 
     let lost = [labels[0], labels[1], ("outcome", "lost")];
+    // Recorded right after the guard was told.
+    until("the lost renewal", || counter(names::RENEWALS, &lost) >= 1).await;
     assert_eq!(counter(names::RENEWALS, &lost), 1);
     assert_eq!(counter(names::LOST, &labels), 1);
 }

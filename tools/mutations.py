@@ -101,8 +101,8 @@ MUTATIONS = [
      [(RT + "waiters.rs", "if *count >= CHAIN || now.duration_since(*since) >= SLICE.min(lease / 10) {",
        "if false {")]),
     ("lease: a failed renewal is not marked lost", "leases",
-     [(RT + "watchdog.rs", "crate::metrics::Renewal::Lost);\n                        lease.state.mark_lost();",
-       "crate::metrics::Renewal::Lost);")]),
+     [(RT + "watchdog.rs", "                        lease.state.mark_lost();\n                        shared.counters.lost",
+       "                        shared.counters.lost")]),
 ]
 
 

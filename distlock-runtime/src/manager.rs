@@ -183,7 +183,7 @@ impl LockManager {
         Stats {
             renewal_round_trips: counters.round_trips.load(Ordering::Relaxed),
             leases_renewed: counters.renewed.load(Ordering::Relaxed),
-            leases_lost: counters.lost.load(Ordering::Relaxed),
+            leases_lost: counters.lost.load(Ordering::Acquire),
             waiting_keys: self.inner.waiters.waiting_keys(),
             watched_leases: self.inner.watchdog.watched(),
             local_handoffs: self.inner.waiters.handoffs(),

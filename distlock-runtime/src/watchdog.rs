@@ -276,9 +276,10 @@ async fn renew(shared: &Shared, inner: &Inner, due: Vec<Due>) {
                     } else if leases.by_id.remove(&lease.id).is_some() {
                         // (A lease released while its renewal was in flight is not lost.)
                         tracing::warn!(lock = %lease.hold.lock, renewed, "lease lost: renewal found another owner or no key, or came too late");
-                        shared.counters.lost.fetch_add(1, Ordering::Relaxed);
-                        crate::metrics::renewal(lease.metrics, crate::metrics::Renewal::Lost);
+                        // Marked first: a loss that is counted is already seen by the guard.
                         lease.state.mark_lost();
+                        shared.counters.lost.fetch_add(1, Ordering::Release);
+                        crate::metrics::renewal(lease.metrics, crate::metrics::Renewal::Lost);
                     }
                 }
             }
