@@ -11,7 +11,7 @@ mod support;
 use std::time::Duration;
 
 use distlock::testing::RedisServer;
-use distlock::{LockError, LockGuard, LockManager};
+use distlock::{LockError, LockGuard, LockManager, LockRequest};
 use support::{keys, manager, shared_server, unique_prefix};
 
 /// Far longer than any test: a waiter that sleeps this long was not woken.
@@ -69,15 +69,19 @@ async fn ready_for_handoff(locks: &LockManager) {
     }
 }
 
-/// A waiter of `locks` for the exclusive lock `key` that only a wake-up gets in soon.
-fn other_process_waits(
+/// A request waiting in its own task.
+type Waiting = tokio::task::JoinHandle<Result<LockGuard, LockError>>;
+
+/// A task of `locks` waiting for what `request` asks (with its own options: kind, fencing, a
+/// `wait`), with a lease only a release ends and a fallback timer that would fire in a day:
+/// only a wake-up gets it in soon.
+fn waiter(
     locks: &LockManager,
-    key: &'static str,
-) -> tokio::task::JoinHandle<Result<LockGuard, LockError>> {
+    request: impl for<'m> FnOnce(&'m LockManager) -> LockRequest<'m> + Send + 'static,
+) -> Waiting {
     let locks = locks.clone();
     tokio::spawn(async move {
-        locks
-            .lock(key)
+        request(&locks)
             .ttl(LONG)
             .retry_delay(NEVER)
             .retries(5)
@@ -86,11 +90,13 @@ fn other_process_waits(
     })
 }
 
+/// A waiter of `locks` for the exclusive lock `key` that only a wake-up gets in soon.
+fn other_process_waits(locks: &LockManager, key: &'static str) -> Waiting {
+    waiter(locks, move |locks| locks.lock(key))
+}
+
 /// B's waiter gets the lock within `SOON`: it was woken.
-async fn gets_in(
-    waiting: tokio::task::JoinHandle<Result<LockGuard, LockError>>,
-    what: &str,
-) -> LockGuard {
+async fn gets_in(waiting: Waiting, what: &str) -> LockGuard {
     match tokio::time::timeout(SOON, waiting).await {
         Ok(joined) => joined.unwrap().unwrap(),
         Err(_) => panic!("{what}: the lock was free, and the other process's waiter slept on"),
@@ -121,10 +127,7 @@ async fn a_local_waiter_cancelled_as_the_lock_is_released_leaves_it_to_everyone(
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
     asleep(&there, 2).await;
     // A's own waiter for the same plain lock, ready to take a hand-off.
-    let local = {
-        let here = here.clone();
-        tokio::spawn(async move { here.lock("k").retry_delay(NEVER).retries(5).acquire().await })
-    };
+    let local = waiter(&here, |locks| locks.lock("k"));
     ready_for_handoff(&here).await;
     held.release().await.unwrap();
     // This single-threaded runtime runs nothing else between the release's answer and the
@@ -145,19 +148,9 @@ async fn a_local_waiter_that_cannot_take_a_hand_off_and_is_cancelled_leaves_it_t
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
     asleep(&there, 2).await;
     // A's own waiter wants a fencing token, which only the script gives: no hand-off.
-    let local = {
-        let here = here.clone();
-        tokio::spawn(async move {
-            here.lock("k")
-                .fencing(true)
-                .retry_delay(NEVER)
-                .retries(5)
-                .acquire()
-                .await
-        })
-    };
-    queued(&here).await;
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let local = waiter(&here, |locks| locks.lock("k").fencing(true));
+    // Its own acquisition of the held lock, then this waiter's two looks.
+    asleep(&here, 3).await;
     held.release().await.unwrap();
     // This single-threaded runtime runs nothing else between the release's answer and the
     // abort: the local waiter never takes its turn.
@@ -218,18 +211,7 @@ async fn reader_kept_out_by_another_process_writer(holder_kind: &str) {
         "write" => here.write_lock("k").ttl(LONG).acquire().await.unwrap(),
         _ => here.lock("k").ttl(LONG).acquire().await.unwrap(),
     };
-    let writer = {
-        let there = there.clone();
-        tokio::spawn(async move {
-            there
-                .write_lock("k")
-                .ttl(LONG)
-                .retry_delay(NEVER)
-                .retries(5)
-                .acquire()
-                .await
-        })
-    };
+    let writer = waiter(&there, |locks| locks.write_lock("k"));
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
     asleep(&there, 2).await;
     let intent = format!("{prefix}{{k}}:wi");
@@ -238,19 +220,9 @@ async fn reader_kept_out_by_another_process_writer(holder_kind: &str) {
         assert!(started.elapsed() < SOON, "the writer left no intent");
         tokio::task::yield_now().await;
     }
-    let reader = {
-        let here = here.clone();
-        tokio::spawn(async move {
-            here.read_lock("k")
-                .ttl(LONG)
-                .retry_delay(NEVER)
-                .retries(5)
-                .acquire()
-                .await
-        })
-    };
-    queued(&here).await;
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let reader = waiter(&here, |locks| locks.read_lock("k"));
+    // The holder's acquisition, then the reader's two looks.
+    asleep(&here, 3).await;
     held.release().await.unwrap();
     let guard = gets_in(writer, "a local reader kept out by the write intent").await;
     assert!(!reader.is_finished(), "a reader got in beside the writer");
@@ -292,8 +264,8 @@ async fn a_release_of_a_key_a_local_set_waits_on_wakes_the_other_process() {
                 .await
         })
     };
-    queued(&here).await;
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The holder's acquisition, then the set's two looks: it now waits on `b`.
+    asleep(&here, 3).await;
     held.release().await.unwrap();
     let guard = gets_in(b, "a local set waiting on the key").await;
     assert!(!set.is_finished(), "the set got in while `b` was held");
@@ -323,22 +295,12 @@ async fn writer_leaves_without_the_lock(cancelled: bool) {
     // Readers inside: a writer must wait, and its intent keeps new readers out meanwhile.
     let inside = here.read_lock("k").ttl(LONG).acquire().await.unwrap();
     let intent = format!("{prefix}{{k}}:wi");
-    let writer = {
-        let there = there.clone();
-        tokio::spawn(async move {
-            there
-                .write_lock("k")
-                .ttl(LONG)
-                .retry_delay(NEVER)
-                .wait(if cancelled {
-                    LONG
-                } else {
-                    Duration::from_millis(300)
-                })
-                .acquire()
-                .await
-        })
+    let wait = if cancelled {
+        LONG
+    } else {
+        Duration::from_millis(300)
     };
+    let writer = waiter(&there, move |locks| locks.write_lock("k").wait(wait));
     let started = std::time::Instant::now();
     while server.command(&["EXISTS", &intent]).unwrap().trim() != ":1" {
         assert!(started.elapsed() < SOON, "the writer left no intent");
@@ -347,18 +309,9 @@ async fn writer_leaves_without_the_lock(cancelled: bool) {
     // A reader of a third process finds the intent and sleeps; only a wake-up lets it in
     // before the intent (as long as the writer's lease) expires.
     let third = manager(&server, &prefix).await;
-    let third_asks = third.clone();
-    let reader = tokio::spawn(async move {
-        third
-            .read_lock("k")
-            .ttl(LONG)
-            .retry_delay(NEVER)
-            .retries(5)
-            .acquire()
-            .await
-    });
+    let reader = waiter(&third, |locks| locks.read_lock("k"));
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
-    asleep(&third_asks, 2).await;
+    asleep(&third, 2).await;
     if cancelled {
         writer.abort();
         assert!(writer.await.unwrap_err().is_cancelled());
@@ -398,18 +351,7 @@ async fn the_release_of_a_fenced_lock_wakes_the_other_process() {
 async fn the_last_reader_release_wakes_the_other_process_writer() {
     let (server, prefix, here, there) = two_processes("last-reader").await;
     let read = here.read_lock("k").ttl(LONG).acquire().await.unwrap();
-    let writer = {
-        let there = there.clone();
-        tokio::spawn(async move {
-            there
-                .write_lock("k")
-                .ttl(LONG)
-                .retry_delay(NEVER)
-                .retries(5)
-                .acquire()
-                .await
-        })
-    };
+    let writer = waiter(&there, |locks| locks.write_lock("k"));
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
     asleep(&there, 2).await;
     read.release().await.unwrap();
@@ -421,26 +363,12 @@ async fn the_last_reader_release_wakes_the_other_process_writer() {
 async fn a_fair_grant_to_another_process_is_announced_not_found_by_its_refresh() {
     let (server, prefix, here, there) = two_processes("fair-grant").await;
     let held = here.lock("k").fair(true).ttl(LONG).acquire().await.unwrap();
-    let waiting = tokio::spawn({
-        let there = there.clone();
-        async move {
-            let asked = std::time::Instant::now();
-            let guard = there
-                .lock("k")
-                .fair(true)
-                .ttl(LONG)
-                .retry_delay(NEVER)
-                .wait(SOON)
-                .acquire()
-                .await;
-            (guard, asked)
-        }
-    });
+    let waiting = waiter(&there, |locks| locks.lock("k").fair(true).wait(SOON));
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
     asleep(&there, 2).await;
     let released = std::time::Instant::now();
     held.release().await.unwrap();
-    let (guard, _) = waiting.await.unwrap();
+    let guard = waiting.await.unwrap();
     // Without the grant's announcement the waiter would find it only at its queue entry's
     // refresh, a second later.
     let took = released.elapsed();
@@ -456,34 +384,14 @@ async fn a_reader_and_a_writer_of_one_process_queued_in_that_order_both_get_in()
     let (server, prefix, here, there) = two_processes("own-writer").await;
     // Another process holds the lock; this one's reader waits first (the head of its queue).
     let held = there.lock("k").ttl(LONG).acquire().await.unwrap();
-    let reader = {
-        let here = here.clone();
-        tokio::spawn(async move {
-            here.read_lock("k")
-                .ttl(LONG)
-                .retry_delay(NEVER)
-                .retries(5)
-                .acquire()
-                .await
-        })
-    };
+    let reader = waiter(&here, |locks| locks.read_lock("k"));
     queued(&here).await;
     subscribed(&server, &format!("{prefix}{{k}}:wake")).await;
     // Then this process's writer, which queues behind the reader. (Had its own first attempt
     // been refused before the reader queued, its intent would keep the reader out of the
     // free lock with nobody to take it: a writer that queues behind its own process's
     // waiters takes its intent back.)
-    let writer = {
-        let here = here.clone();
-        tokio::spawn(async move {
-            here.write_lock("k")
-                .ttl(LONG)
-                .retry_delay(NEVER)
-                .retries(5)
-                .acquire()
-                .await
-        })
-    };
+    let writer = waiter(&here, |locks| locks.write_lock("k"));
     let started = std::time::Instant::now();
     while here.stats().waiting_requests < 2 {
         assert!(started.elapsed() < SOON, "the writer never queued");

@@ -99,8 +99,8 @@ pub struct Stats {
     /// Requests queued behind a busy lock right now, over every key (the head of each local
     /// queue included; a first attempt not yet answered is not counted).
     pub waiting_requests: usize,
-    /// Acquire attempts of single-key requests that the server has answered so far (a
-    /// request that waits makes one, then one more per wake-up or timer).
+    /// Acquire attempts (of one key or a set) that the server has answered so far (a request
+    /// that waits makes one, then one more per wake-up or timer).
     pub attempts: u64,
 }
 

@@ -393,6 +393,9 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Mult
         let outcome = inner
             .exec(move |backend| async move { backend.acquire_set(&attempt).await })
             .await?;
+        if outcome.is_ok() {
+            inner.waiters.attempted();
+        }
         let holder_ttl = match outcome {
             Ok(SetAttempt::Held { fences }) => {
                 in_flight.maybe_held = false;

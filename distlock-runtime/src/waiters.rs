@@ -57,7 +57,7 @@ struct Shared {
     shut: AtomicBool,
     /// Locks handed to a local waiter by a release.
     handoffs: AtomicU64,
-    /// Acquire attempts of single-key requests answered by the server.
+    /// Acquire attempts (of one key or a set) answered by the server.
     attempts: AtomicU64,
     /// What this manager's releases publish (see `ConnectOptions::tag`).
     tag: Arc<str>,
@@ -221,7 +221,7 @@ impl Waiters {
         self.shared.handoffs.load(Ordering::Relaxed)
     }
 
-    /// How many acquire attempts of single-key requests the server answered so far.
+    /// How many acquire attempts (of one key or a set) the server answered so far.
     pub(crate) fn attempts(&self) -> u64 {
         self.shared.attempts.load(Ordering::Relaxed)
     }
