@@ -1450,10 +1450,15 @@ fn faults_in_background(
                 let mut state = history.lock();
                 state.faults += 1;
                 state.fault_windows.push((Instant::now(), None));
+                let event = format!("{:?} fault {} begins", Instant::now(), state.faults);
+                push_recent(&mut state, event);
                 state.fault_windows.len() - 1
             };
             inject(&mut rng);
-            history.lock().fault_windows[index].1 = Some(Instant::now());
+            let mut state = history.lock();
+            state.fault_windows[index].1 = Some(Instant::now());
+            let event = format!("{:?} fault {} ends", Instant::now(), index + 1);
+            push_recent(&mut state, event);
         }
     })
 }
@@ -1676,10 +1681,14 @@ async fn redlock_with_faults(seed: u64, target: u64, run: &Run) {
     };
     let stop = Arc::new(AtomicBool::new(false));
     let faulted = masters.clone();
+    let history = world.history.clone();
     let injector = faults_in_background(world.history.clone(), seed, stop.clone(), move |rng| {
-        let node = &faulted[rng.usize(..faulted.len())];
+        let which = rng.usize(..faulted.len());
+        let node = &faulted[which];
         if rng.u8(..4) == 0 {
             let _ = node.restart();
+            let event = format!("{:?} master {which} restarted empty", Instant::now());
+            push_recent(&mut history.lock(), event);
         } else {
             let _ = node.pause();
             std::thread::sleep(Duration::from_millis(rng.u64(20..200)));

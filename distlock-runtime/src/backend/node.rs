@@ -515,6 +515,10 @@ impl Node {
         };
         let mut conns = self.lock_conns();
         if !conns.contains_key(&id) {
+            // A runtime's first connection may reach a server that restarted since the last
+            // look, which no connection of this manager saw end: a RedLock master is checked
+            // again before it counts towards a quorum.
+            self.lock_identity().suspect = true;
             // When this runtime shuts down it drops its tasks, this one among them, and the
             // runtime's connections go with it (each holds resources of that runtime).
             let forget = Forget {
