@@ -57,6 +57,10 @@ const RECOVERY: Duration = Duration::from_millis(1_500);
 /// How long past its `wait` an acquire may still run (an attempt in flight, a loaded
 /// machine).
 const OVERSTAY: Duration = Duration::from_secs(2);
+/// The same through faults: a `wait` does not cut an attempt in flight, which may open a
+/// connection twice and wait for two answers, each bounded by the manager's timeouts
+/// (500 ms here): about 2 s, plus a paused server's pause.
+const OVERSTAY_FAULTS: Duration = Duration::from_secs(4);
 /// Without faults, how long a plain lock may stay owned by a token that no holder in the
 /// history has (a release on its way; a fair grant to a waiter that left, 2 s at most).
 const ORPHANED: Duration = Duration::from_secs(3);
@@ -672,8 +676,9 @@ async fn take(
         // The wait bounds the call: past it, only an attempt in flight (bounded by the
         // response timeout) may finish.
         let took = asked.elapsed();
+        let overstay = if faults { OVERSTAY_FAULTS } else { OVERSTAY };
         if let Some(wait) = plan.wait
-            && took > wait + OVERSTAY
+            && took > wait + overstay
         {
             world.history.violation(format!(
                 "wait: {who}'s acquire of {} with a wait of {wait:?} took {took:?}",
