@@ -287,7 +287,12 @@ impl Node {
         *self.pool.delete.lock().unwrap_or_else(|e| e.into_inner()) = delete;
         if !self.is_cluster() {
             match self.run_id().await {
-                Ok(run_id) => self.lock_identity().run_id = Some(run_id),
+                Ok(run_id) => {
+                    // Just read: the connection that read it needs no second look.
+                    let mut identity = self.lock_identity();
+                    identity.run_id = Some(run_id);
+                    identity.suspect = false;
+                }
                 // INFO is `@dangerous`: a user without it works, unchecked for restarts.
                 Err(error) if denied(&error) => self.lock_identity().unchecked = true,
                 Err(error) => return Err(error),
@@ -485,9 +490,9 @@ impl Node {
 
     /// The connection of the current tokio runtime, opened (lazily) on first use.
     pub(super) async fn conn(&self) -> RedisResult<Conn> {
-        let id = runtime::Handle::try_current()
-            .map_err(|_| RedisError::from(io::Error::other("no tokio runtime")))?
-            .id();
+        let runtime = runtime::Handle::try_current()
+            .map_err(|_| RedisError::from(io::Error::other("no tokio runtime")))?;
+        let id = runtime.id();
         if let Some(conn) = self.known_conn(id) {
             return Ok(conn);
         }
@@ -513,24 +518,30 @@ impl Node {
                 Conn::Single(Link::new(self.client(), self.pool.config.clone(), lost))
             }
         };
-        let mut conns = self.lock_conns();
-        if !conns.contains_key(&id) {
+        let (conn, first) = {
+            let mut conns = self.lock_conns();
+            let first = !conns.contains_key(&id);
+            (conns.entry(id).or_insert(conn).clone(), first)
+        };
+        if first {
             // A runtime's first connection may reach a server that restarted since the last
             // look, which no connection of this manager saw end: a RedLock master is checked
             // again before it counts towards a quorum.
             self.lock_identity().suspect = true;
             // When this runtime shuts down it drops its tasks, this one among them, and the
-            // runtime's connections go with it (each holds resources of that runtime).
+            // runtime's connections go with it (each holds resources of that runtime). Spawned
+            // with no lock held: on a runtime already shutting down, the task is dropped at
+            // once, and forgets what was just inserted.
             let forget = Forget {
                 pool: Arc::downgrade(&self.pool),
                 id,
             };
-            drop(tokio::spawn(async move {
+            drop(runtime.spawn(async move {
                 let _forget = forget;
                 std::future::pending::<()>().await;
             }));
         }
-        Ok(conns.entry(id).or_insert(conn).clone())
+        Ok(conn)
     }
 
     fn known_conn(&self, id: runtime::Id) -> Option<Conn> {
