@@ -91,6 +91,13 @@ async fn list_and_show_every_kind() {
         detail.contains(&format!("fencing:  {}", fenced.fencing_token().unwrap())),
         "{detail}"
     );
+    // Each holder is named: client name, host and pid of the manager that took it.
+    let who = format!("{}, up ", locks.identity());
+    assert!(detail.contains(&format!("by {who}")), "{detail}");
+    assert!(
+        table.contains(&format!("{} ({who}", plain.token())),
+        "{table}"
+    );
     let missing = distlock(&env, &["show", "nothing"], "");
     assert_eq!(missing.status.code(), Some(1));
 

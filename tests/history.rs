@@ -145,6 +145,9 @@ struct State {
     lease_caps: HashMap<String, Duration>,
     liveness_samples: u64,
     steals: u64,
+    elections: u64,
+    /// Each election's terms, and when their leaders left.
+    terms: HashMap<String, Vec<(u64, Option<Instant>)>>,
 }
 
 struct Holder {
@@ -254,6 +257,41 @@ impl History {
         }
     }
 
+    /// A new leader of the election whose lock is `key` has `term`: larger than the term of
+    /// every leader that had left before this one began to campaign (`asked`), unless a
+    /// failover may have lost the counter.
+    fn term(&self, who: &str, key: &str, term: u64, asked: Instant) {
+        let mut state = self.lock();
+        let failed_over = state.void_before.is_some();
+        let terms = state.terms.entry(key.to_owned()).or_default();
+        let earlier = terms
+            .iter()
+            .filter(|(_, left)| left.is_some_and(|left| left < asked))
+            .map(|(t, _)| *t)
+            .max()
+            .unwrap_or(0);
+        terms.push((term, None));
+        state.elections += 1;
+        drop(state);
+        if term <= earlier && !failed_over {
+            self.violation(format!(
+                "term: {who} leads {key} in term {term}, not above the earlier {earlier}"
+            ));
+        }
+    }
+
+    /// The leader of `key` in `term` has left.
+    fn left(&self, key: &str, term: u64) {
+        let mut state = self.lock();
+        if let Some(entry) = state
+            .terms
+            .get_mut(key)
+            .and_then(|terms| terms.iter_mut().find(|(t, _)| *t == term))
+        {
+            entry.1 = Some(Instant::now());
+        }
+    }
+
     /// A request starts sleeping in `acquire()` for `key`; it stops when this is dropped.
     fn waits(self: &Arc<Self>, who: &str, key: &str) -> Waiting {
         let mut state = self.lock();
@@ -295,9 +333,10 @@ impl History {
     fn report(&self, seed: u64, topology: &str) {
         let state = self.lock();
         println!(
-            "history [{topology}] seed {seed}: {} acquisitions, {} lease checks, {} steals, \
-             {} liveness samples, {} faults injected, {} violations{}",
+            "history [{topology}] seed {seed}: {} acquisitions ({} leaders elected), {} lease \
+             checks, {} steals, {} liveness samples, {} faults injected, {} violations{}",
             state.acquisitions,
+            state.elections,
             state.lease_checks,
             state.steals,
             state.liveness_samples,
@@ -783,6 +822,10 @@ async fn program(world: World, locks: LockManager, who: String, seed: u64, ops: 
         match rng.u8(..100) {
             // A hold taken away from its holder.
             0..=4 => robbed(&world, &locks, &who, plan, &mut rng, faults).await,
+            // An election: one leader at a time, each term larger than the last.
+            40..=44 if world.features.fencing => {
+                elect(&world, &locks, &who, plan, &mut rng, faults).await;
+            }
             // A plain hold, maybe extended.
             5..=44 => {
                 if let Some((guard, entry)) = take(&world, &locks, &who, plan, faults).await {
@@ -931,6 +974,54 @@ async fn program(world: World, locks: LockManager, who: String, seed: u64, ops: 
             _ => shut_down_a_runtime(&world, &locks, &who, plan, faults).await,
         }
     }
+}
+
+/// Campaigns in the election named after `plan.key`, leads for a moment and resigns (or drops
+/// the leadership): the election's lock is checked for overlap like any other, and its terms
+/// must grow from leader to leader.
+async fn elect(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: Plan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let election = locks
+        .election(plan.key)
+        .ttl(plan.ttl)
+        .wait(plan.wait.unwrap_or(Duration::from_millis(100)));
+    let asked = Instant::now();
+    let leadership = match world.bounded("campaign", election.campaign()).await {
+        Some(Ok(leadership)) => leadership,
+        Some(Err(error)) if !expected(&error, faults) => {
+            world
+                .history
+                .violation(format!("error: campaign: unexpected {error:?}"));
+            return;
+        }
+        _ => return,
+    };
+    let key = format!("election:{}", plan.key);
+    let entry = world
+        .history
+        .enter(who, &key, Kind::Exclusive, leadership.guard());
+    let term = leadership.term();
+    world.history.term(who, &key, term, asked);
+    work(leadership.guard(), &entry, rng).await;
+    drop(entry);
+    if rng.u8(..4) == 0 {
+        drop(leadership);
+    } else if let Some(Err(error)) = world.bounded("resign", leadership.resign()).await
+        && !expected(&error, faults)
+    {
+        world
+            .history
+            .violation(format!("error: resign: unexpected {error:?}"));
+    }
+    // Marked after the release was sent (a dropped leadership's is on its way): a candidate
+    // that begins to campaign from here on must draw a larger term.
+    world.history.left(&key, term);
 }
 
 /// Takes an exclusive or write lock with a short lease, has it taken away (a forced release
@@ -1292,7 +1383,9 @@ async fn check_nothing_left(
                     .unwrap_or_default();
                 keys.lines()
                     .chain(channels.lines())
-                    .filter(|k| !k.is_empty() && !k.ends_with(":fence"))
+                    // Kept by design: fencing counters, and a leader's record until its
+                    // successor's (or a day).
+                    .filter(|k| !k.is_empty() && !k.ends_with(":fence") && !k.ends_with(":leader"))
                     .map(str::to_owned)
                     .collect::<Vec<_>>()
             })

@@ -14,6 +14,7 @@ const COMMANDS: &[&str] = &[
     "unsubscribe",
     "wait",
     "cluster|slots",
+    "client|setname",
     "info",
     // called by the scripts, and by `is_held`
     "del",
@@ -37,8 +38,9 @@ const COMMANDS: &[&str] = &[
 
 impl LockManager {
     /// The `ACL SETUSER` rules for a user that may do everything distlock does under key
-    /// prefix `prefix`, and nothing else: its commands, its keys (`~prefix*`) and its pub/sub
-    /// channels (`&prefix*`).
+    /// prefix `prefix`, and nothing else: its commands, its keys (`~prefix*`, and
+    /// `~distlock-manager:*` where managers register who they are) and its pub/sub channels
+    /// (`&prefix*`).
     ///
     /// ```
     /// let rules = distlock_runtime::LockManager::acl_rules("myapp:lock:");
@@ -52,6 +54,10 @@ impl LockManager {
             rules.push_str(" +");
             rules.push_str(command);
         }
+        // The manager's registration (who it is), outside every prefix.
+        rules.push_str(" ~");
+        rules.push_str(crate::identity::REGISTRATIONS);
+        rules.push('*');
         rules
     }
 }

@@ -43,6 +43,7 @@ impl LockManagerBuilder {
     /// | `DISTLOCK_SENTINEL` + `DISTLOCK_SENTINEL_MASTER` | Sentinel URLs, comma-separated, and the master's name |
     /// | `DISTLOCK_REDLOCK` | RedLock masters, comma-separated URLs (at least 3) |
     /// | `DISTLOCK_KEY_PREFIX` | the key prefix |
+    /// | `DISTLOCK_CLIENT_NAME` | the name this manager goes by (see [`client_name`](Self::client_name)) |
     /// | `DISTLOCK_DEFAULT_TTL` | the default lease: `30s`, `500ms`, `2m`, `1h` |
     /// | `DISTLOCK_CONNECT_TIMEOUT`, `DISTLOCK_RESPONSE_TIMEOUT` | durations, as above |
     /// | `DISTLOCK_TLS_CA_FILE` | a PEM file of CA certificates to trust for `rediss://` (see [`tls_ca_certificate`](Self::tls_ca_certificate)) |
@@ -121,6 +122,11 @@ impl LockManagerBuilder {
         if let Some(prefix) = get("DISTLOCK_KEY_PREFIX") {
             check_prefix(prefix).map_err(|reason| config("DISTLOCK_KEY_PREFIX", reason))?;
             builder = builder.key_prefix(prefix);
+        }
+        if let Some(name) = get("DISTLOCK_CLIENT_NAME") {
+            crate::identity::check_client_name(name)
+                .map_err(|reason| config("DISTLOCK_CLIENT_NAME", reason))?;
+            builder = builder.client_name(name);
         }
         if let Some(ttl) = duration_var(&get, "DISTLOCK_DEFAULT_TTL", check_ttl)? {
             builder = builder.default_ttl(ttl);

@@ -12,7 +12,10 @@ use std::time::Duration;
 #[non_exhaustive]
 pub enum LockError {
     /// The lock is held by another owner and was not acquired within the request's bounds.
-    #[error("lock `{key}` is busy: not acquired after {attempts} attempt(s) in {waited:?}")]
+    #[error(
+        "lock `{key}` is busy: not acquired after {attempts} attempt(s) in {waited:?}{}",
+        held_by(holder.as_deref(), holder_token.as_deref())
+    )]
     #[non_exhaustive]
     Busy {
         /// The key as the caller named it (without the manager's prefix).
@@ -21,6 +24,12 @@ pub enum LockError {
         attempts: u32,
         /// How long the request spent, from its first attempt to giving up.
         waited: Duration,
+        /// The owner token of the holder, when the server named it: the last attempt of a
+        /// plain exclusive lock gets it back (`SET … GET`); other kinds leave it `None`.
+        holder_token: Option<String>,
+        /// Who the holder is (`orders-api on host-3, pid 4242`), when the server named the
+        /// holder and its manager's registration was there to read.
+        holder: Option<Box<crate::HolderIdentity>>,
     },
 
     /// The lease is no longer held by this owner: it expired, or the key was deleted or taken
@@ -133,6 +142,15 @@ pub enum LockError {
     /// released what it held and takes no more locks.
     #[error("the lock manager was shut down: it takes no more locks")]
     ShutDown,
+}
+
+/// The end of a busy error's message: who holds the lock, when known.
+fn held_by(holder: Option<&crate::HolderIdentity>, token: Option<&str>) -> String {
+    match (holder, token) {
+        (Some(holder), _) => format!(" (held by {holder})"),
+        (None, Some(token)) => format!(" (held by {token}, an unknown or gone manager)"),
+        (None, None) => String::new(),
+    }
 }
 
 impl LockError {

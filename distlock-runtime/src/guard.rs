@@ -110,9 +110,10 @@ impl LockGuard {
         &self.parts.name
     }
 
-    /// This acquisition's owner token: 128 bits in hex, unique to it (64 random per process,
-    /// 64 counting). Nested reentrant holds share
-    /// the outer hold's token.
+    /// This acquisition's owner token: 128 bits in hex, unique to it: the manager's id (its
+    /// first 16 hex digits, drawn at random when the manager was built, which the inspector
+    /// reads its [`HolderIdentity`](crate::HolderIdentity) by) and 64 bits counting. Nested
+    /// reentrant holds share the outer hold's token.
     pub fn token(&self) -> &str {
         &self.parts.held.ids.token
     }

@@ -84,6 +84,10 @@ pub struct Holder {
     pub ttl: Option<Duration>,
     /// The fencing token this holder drew, if any.
     pub fence: Option<u64>,
+    /// Who the holder is, from the registration of the manager its token names: `None` when
+    /// that registration is gone (the manager crashed or shut down without releasing, and
+    /// the lock waits for its lease) — the inspector prints `unknown (gone)`.
+    pub identity: Option<crate::HolderIdentity>,
 }
 
 impl LockManager {
@@ -189,6 +193,7 @@ async fn read(locks: &LockManager, keys: &Keys) -> Result<Option<LockInfo>, Lock
                 holds: 1,
                 ttl: info.ttl,
                 fence: None,
+                identity: None,
             }));
         }
         "hash" => {
@@ -225,6 +230,7 @@ async fn read(locks: &LockManager, keys: &Keys) -> Result<Option<LockInfo>, Lock
                     holds,
                     ttl: info.ttl,
                     fence: field("fence").and_then(|f| f.parse().ok()),
+                    identity: None,
                 };
                 if shared {
                     // A share's lease is its own key, whose value is its fencing token.
@@ -247,6 +253,14 @@ async fn read(locks: &LockManager, keys: &Keys) -> Result<Option<LockInfo>, Lock
             }
         }
         _ => {}
+    }
+    let inner = &locks.inner;
+    for holder in &mut info.holders {
+        holder.identity = inner
+            .registry
+            .lookup(&inner.backend, &holder.token)
+            .await
+            .map_err(failed)?;
     }
     Ok(Some(info))
 }

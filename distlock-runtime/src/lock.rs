@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
@@ -276,6 +276,7 @@ impl<'m> LockRequest<'m> {
         let result = match result {
             // Dropping it gives it back.
             Ok(guard) if guard.came_after_shutdown() => Err(LockError::ShutDown),
+            Err(error) => Err(Box::pin(name_holder(self.manager, error)).await),
             result => result,
         };
         crate::metrics::acquire_ended(labels, timer, &result);
@@ -432,7 +433,7 @@ async fn acquire(
         // The task already owns the lock: counted here, no round trip.
         return Ok(nested(manager, plan, held));
     }
-    let token = new_token();
+    let token = new_token(inner.waiters.tag());
     let (shape, kind) = shape_of(plan.kind, &plan, &token, inner.waiters.tag());
     // The lock key moves into the request (and on into the hold): nothing reads it from the
     // plan from here on.
@@ -496,6 +497,38 @@ async fn acquire(
     .await
 }
 
+/// A busy error whose holder the server named gets the holder's identity, read from its
+/// manager's registration (once per manager). Reading it is best effort: the error stays as
+/// it was if Redis does not answer.
+async fn name_holder(manager: &LockManager, error: LockError) -> LockError {
+    match error {
+        LockError::Busy {
+            key,
+            attempts,
+            waited,
+            holder_token: Some(token),
+            holder: None,
+        } => {
+            let holder = crate::identity::resolve(manager, &token)
+                .await
+                .ok()
+                .flatten()
+                .map(Box::new);
+            if let Some(holder) = &holder {
+                tracing::debug!(%holder, holder_token = %token, "busy");
+            }
+            LockError::Busy {
+                key,
+                attempts,
+                waited,
+                holder_token: Some(token),
+                holder,
+            }
+        }
+        error => error,
+    }
+}
+
 /// The answer to a first attempt made before the waiting loop.
 struct First {
     sent: Instant,
@@ -523,14 +556,20 @@ async fn wait(
         &request,
         first.as_ref().is_some_and(|first| first.maybe_held),
     );
-    let give_up = |attempts, failure: Option<redis::RedisError>| match failure {
-        // The last word decides: a failure to reach Redis is not reported as "busy".
-        Some(error) => LockError::redis(&plan.keys.name, error),
-        None => LockError::Busy {
-            key: plan.keys.name.clone(),
-            attempts,
-            waited: started.elapsed(),
-        },
+    // The holder the server named in this request's last busy answer, if it did.
+    let mut holder: Option<u128> = None;
+    let give_up = |attempts, failure: Option<redis::RedisError>, holder: Option<u128>| {
+        match failure {
+            // The last word decides: a failure to reach Redis is not reported as "busy".
+            Some(error) => LockError::redis(&plan.keys.name, error),
+            None => LockError::Busy {
+                key: plan.keys.name.clone(),
+                attempts,
+                waited: started.elapsed(),
+                holder_token: holder.map(|token| format!("{token:032x}")),
+                holder: None,
+            },
+        }
     };
     // The last word from Redis on this lock: a failure, or none after a busy answer. Once in
     // the queue, the word of whichever local waiter asked last (see `Ticket::heard`).
@@ -583,7 +622,7 @@ async fn wait(
                 () = turn => None,
                 handed = receive(&mut offer) => handed,
                 _ = deadline => {
-                    return Err(give_up(attempts, ticket.last_failure()));
+                    return Err(give_up(attempts, ticket.last_failure(), holder));
                 }
                 () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
             };
@@ -631,7 +670,7 @@ async fn wait(
                 // Within that release's bounds.
                 let handed = tokio::select! {
                     handed = receiver => handed.ok(),
-                    _ = deadline => return Err(give_up(attempts, waiting.last_failure())),
+                    _ = deadline => return Err(give_up(attempts, waiting.last_failure(), holder)),
                     () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
                 };
                 if let Some(handed) = handed {
@@ -672,9 +711,13 @@ async fn wait(
                     let request = Arc::unwrap_or_clone(request);
                     return Ok(grant(manager, plan, request, kind, fence, acquired, record));
                 }
-                Ok(Attempt::Busy { holder_ttl }) => {
+                Ok(Attempt::Busy {
+                    holder_ttl,
+                    holder: named,
+                }) => {
                     in_flight.maybe_held = false;
                     failure = None;
+                    holder = named;
                     holder_ttl
                 }
                 // Waiting cannot help: the other users of the key must agree on the count first.
@@ -712,7 +755,7 @@ async fn wait(
             }
             let now = Instant::now();
             if attempts > plan.retries || deadline.is_some_and(|d| d <= now) {
-                return Err(give_up(attempts, failure));
+                return Err(give_up(attempts, failure, holder));
             }
             if ticket.is_none() && queues {
                 // First time busy: queue up and follow the wake channel, then look again at once
@@ -732,7 +775,7 @@ async fn wait(
         };
         let now = Instant::now();
         if deadline.is_some_and(|d| d <= now) {
-            return Err(give_up(attempts, last_word(&ticket, &failure)));
+            return Err(give_up(attempts, last_word(&ticket, &failure), holder));
         }
         // Wait for a release, or for the fallback timer (backoff with full jitter, capped by
         // the holder's lease) that catches an expiry or a missed announcement.
@@ -771,7 +814,7 @@ async fn wait(
             return Ok(taken.grant(manager, plan, request, kind));
         }
         if deadline.is_some_and(|d| d <= Instant::now()) {
-            return Err(give_up(attempts, last_word(&ticket, &failure)));
+            return Err(give_up(attempts, last_word(&ticket, &failure), holder));
         }
     }
 }
@@ -852,7 +895,7 @@ async fn fair(
                 let request = Arc::unwrap_or_clone(request);
                 return Ok(grant(manager, plan, request, kind, 0, acquired, record));
             }
-            Ok(Attempt::Busy { holder_ttl }) => {
+            Ok(Attempt::Busy { holder_ttl, .. }) => {
                 failure = None;
                 holder_ttl
             }
@@ -977,6 +1020,8 @@ async fn fair_give_up(
             key: plan.keys.name.clone(),
             attempts,
             waited: started.elapsed(),
+            holder_token: None,
+            holder: None,
         },
     }
 }
@@ -1164,16 +1209,14 @@ fn shape_of(kind: RequestKind, plan: &Plan, token: &str, tag: &str) -> (Shape, K
     }
 }
 
-/// A new owner token: 128 bits in hex, 64 drawn at random once per process and 64 counting
-/// the tokens this process made, so that no two owners anywhere share one. Drawn without a
-/// system call per lock.
-pub(crate) fn new_token() -> String {
-    /// This process's half, drawn once, as 16 hex digits.
-    static PROCESS: LazyLock<[u8; 16]> =
-        LazyLock::new(|| hex(uuid::Uuid::new_v4().as_u64_pair().0));
+/// A new owner token: 128 bits in hex, the manager's id (64 bits drawn at random when it was
+/// built, which also names its registration: see `identity`) and 64 counting the tokens this
+/// process made, so that no two owners anywhere share one. Drawn without a system call per
+/// lock.
+pub(crate) fn new_token(manager_id: &str) -> String {
     static COUNT: AtomicU64 = AtomicU64::new(0);
     let mut token = Vec::with_capacity(32);
-    token.extend_from_slice(&*PROCESS);
+    token.extend_from_slice(manager_id.as_bytes());
     token.extend_from_slice(&hex(COUNT.fetch_add(1, Ordering::Relaxed)));
     String::from_utf8(token).expect("hex digits are ASCII")
 }
@@ -1288,7 +1331,7 @@ mod tests {
 
     #[test]
     fn tokens_are_32_hex_digits_and_never_repeat() {
-        let (a, b) = (new_token(), new_token());
+        let (a, b) = (new_token("0123456789abcdef"), new_token("0123456789abcdef"));
         for token in [&a, &b] {
             assert_eq!(token.len(), 32, "{token}");
             assert!(

@@ -63,6 +63,8 @@ pub(crate) struct Inner {
     pub(crate) holds: Holds,
     pub(crate) prefix: String,
     pub(crate) defaults: Defaults,
+    /// This manager's identity, and the identities of other holders it has read.
+    pub(crate) registry: Arc<crate::identity::Registry>,
     target: String,
 }
 
@@ -214,6 +216,10 @@ impl LockManager {
         }
         inner.holds.shut_down(inner).await;
         inner.watchdog.stop();
+        let registry = Arc::clone(&inner.registry);
+        let _ = inner
+            .exec(move |backend| async move { registry.unregister(&backend).await })
+            .await;
         let _ = inner.driver.run(inner.waiters.close()).await;
         tracing::debug!(target = %inner.target, "lock manager shut down");
     }
@@ -324,6 +330,7 @@ pub struct LockManagerBuilder {
     restart_delay: Option<Duration>,
     security: Security,
     require_noeviction: bool,
+    client_name: Option<String>,
 }
 
 impl Default for LockManagerBuilder {
@@ -344,6 +351,7 @@ impl Default for LockManagerBuilder {
             restart_delay: None,
             security: Security::default(),
             require_noeviction: false,
+            client_name: None,
         }
     }
 }
@@ -369,6 +377,7 @@ impl fmt::Debug for LockManagerBuilder {
             .field("response_timeout", &self.response_timeout)
             .field("security", &self.security)
             .field("require_noeviction", &self.require_noeviction)
+            .field("client_name", &self.client_name)
             .finish()
     }
 }
@@ -555,6 +564,15 @@ impl LockManagerBuilder {
         self
     }
 
+    /// The name this manager goes by: shown by the inspector next to every lock it holds, in
+    /// [`LockError::Busy`] when it holds what another asked for, and as the name of its Redis
+    /// connections (`CLIENT LIST`). One word of printable characters, at most 128 bytes.
+    /// Default: the name of the running executable. Environment: `DISTLOCK_CLIENT_NAME`.
+    pub fn client_name(mut self, name: impl Into<String>) -> Self {
+        self.client_name = Some(name.into());
+        self
+    }
+
     /// Checks the configuration, connects, and loads the scripts.
     ///
     /// It also reads every master's `maxmemory-policy` (see
@@ -577,6 +595,13 @@ impl LockManagerBuilder {
             .join(", ");
         let driver = Driver::start()?;
         let tag: Arc<str> = format!("{:016x}", fastrand::u64(..)).into();
+        let client_name = self
+            .client_name
+            .clone()
+            .unwrap_or_else(crate::identity::default_client_name);
+        let registry = Arc::new(crate::identity::Registry::new(
+            crate::identity::HolderIdentity::current(&tag, client_name.clone()),
+        ));
         // Longer than any lease is as good as forever, and still fits on a clock.
         let options = ConnectOptions {
             connect_timeout: self.connect_timeout.min(MAX_TTL),
@@ -587,6 +612,7 @@ impl LockManagerBuilder {
             restart_delay: self.restart_delay.unwrap_or(self.defaults.ttl).min(MAX_TTL),
             security: Arc::new(self.security.clone()),
             tag: tag.clone(),
+            client_name: format!("{client_name}:{tag}").into(),
         };
         let (connect_timeout, response_timeout) =
             (options.connect_timeout, options.response_timeout);
@@ -599,6 +625,7 @@ impl LockManagerBuilder {
         let topology = self.topology.clone();
         let require_noeviction = self.require_noeviction;
         let target_of_connect = target.clone();
+        let registry_of_connect = Arc::clone(&registry);
         let connect = async move {
             let backend = match &topology {
                 Topology::Single(urls) => {
@@ -612,9 +639,11 @@ impl LockManagerBuilder {
                 Topology::RedLock(masters) => Backend::connect_redlock(masters, options).await,
             };
             match backend {
-                Ok(backend) => check_eviction(&backend, require_noeviction)
-                    .await
-                    .map(|()| backend),
+                Ok(backend) => {
+                    check_eviction(&backend, require_noeviction).await?;
+                    registry_of_connect.register(&backend).await;
+                    Ok(backend)
+                }
                 Err(error) => Err(connect_error(&target_of_connect, error)),
             }
         };
@@ -625,7 +654,7 @@ impl LockManagerBuilder {
         };
         let backend = connected?;
         tracing::debug!(target = %target, prefix = %self.prefix, "lock manager connected");
-        Ok(LockManager {
+        let manager = LockManager {
             inner: Arc::new(Inner {
                 backend,
                 driver: Arc::new(driver),
@@ -634,9 +663,16 @@ impl LockManagerBuilder {
                 holds: Holds::default(),
                 prefix: self.prefix,
                 defaults: self.defaults,
+                registry,
                 target,
             }),
-        })
+        };
+        let inner = Arc::downgrade(&manager.inner);
+        manager
+            .inner
+            .driver
+            .spawn(crate::identity::keep_registered(inner));
+        Ok(manager)
     }
 
     /// The checks that need no connection. Each one is a function that
@@ -663,6 +699,10 @@ impl LockManagerBuilder {
         }
         check_timeout(self.connect_timeout).map_err(|r| config("`connect_timeout`", r))?;
         check_timeout(self.response_timeout).map_err(|r| config("`response_timeout`", r))?;
+        if let Some(name) = &self.client_name {
+            crate::identity::check_client_name(name)
+                .map_err(|reason| config("`client_name`", reason))?;
+        }
         Ok(())
     }
 

@@ -20,6 +20,9 @@
 //! | `distlock_renewals_total` | counter | `outcome` | watchdog renewals of one lease: `renewed`, `lost` (another owner or no key), `failed` (Redis failed; retried) |
 //! | `distlock_handoffs_total` | counter | | locks taken by a request that had queued for them: a release (or an expiry) handed the lock to a waiter |
 //! | `distlock_waiting` | gauge | | requests waiting in the manager's queue for a busy lock |
+//! | `distlock_elections_won_total` | counter | `election` (only) | campaigns that made this process leader |
+//! | `distlock_elections_lost_total` | counter | `election` (only) | leaderships that ended lost (lease, steal, shutdown) rather than resigned |
+//! | `distlock_election_term` | gauge | `election` (only) | the term this process last led |
 //!
 //! Descriptions and units are registered on the first request, or by [`describe`] after
 //! installing a recorder.
@@ -48,6 +51,12 @@ pub const RENEWALS: &str = "distlock_renewals_total";
 pub const HANDOFFS: &str = "distlock_handoffs_total";
 /// Gauge: requests waiting in the manager's queue for a busy lock.
 pub const WAITING: &str = "distlock_waiting";
+/// Counter, labelled by `election`: campaigns won.
+pub const ELECTIONS_WON: &str = "distlock_elections_won_total";
+/// Counter, labelled by `election`: leaderships lost rather than resigned.
+pub const ELECTIONS_LOST: &str = "distlock_elections_lost_total";
+/// Gauge, labelled by `election`: the term this process last led.
+pub const ELECTION_TERM: &str = "distlock_election_term";
 
 /// Registers the description and unit of every metric above with the installed recorder.
 ///
@@ -72,6 +81,29 @@ pub fn describe() {
             "Locks taken by a request that had queued for them."
         );
         describe_gauge!(WAITING, "Requests waiting for a busy lock.");
+        describe_counter!(ELECTIONS_WON, "Campaigns that made this process leader.");
+        describe_counter!(ELECTIONS_LOST, "Leaderships lost rather than resigned.");
+        describe_gauge!(ELECTION_TERM, "The term this process last led.");
+    }
+}
+
+/// This process leads `election` in `term`.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn election_won(election: &str, term: u64) {
+    #[cfg(feature = "metrics")]
+    {
+        let label = [("election", election.to_owned())];
+        metrics::counter!(ELECTIONS_WON, &label).increment(1);
+        metrics::gauge!(ELECTION_TERM, &label).set(term as f64);
+    }
+}
+
+/// This process's leadership of `election` ended; `lost` unless it was resigned.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn election_ended(election: &str, lost: bool) {
+    #[cfg(feature = "metrics")]
+    if lost {
+        metrics::counter!(ELECTIONS_LOST, &[("election", election.to_owned())]).increment(1);
     }
 }
 

@@ -314,7 +314,7 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Mult
         }
         nested.push(request.acquire().await?);
     }
-    let token = new_token();
+    let token = new_token(manager.inner.waiters.tag());
     let request = SetRequest {
         keys: fresh
             .iter()
@@ -359,6 +359,8 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Mult
             key: fresh[at].name.clone(),
             attempts,
             waited: started.elapsed(),
+            holder_token: None,
+            holder: None,
         },
     };
     // A set that may wait follows the wake channel of the lock it last found busy, in that

@@ -235,9 +235,23 @@ fn holders(holders: &[Holder]) -> String {
     }
     holders
         .iter()
-        .map(|h| h.token.as_str())
+        .map(|h| format!("{} ({})", h.token, who(h)))
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// Who a holder is: its manager's client name, host, pid and how long that manager has been
+/// up, or `unknown (gone)` when the manager's registration has expired.
+fn who(holder: &Holder) -> String {
+    match &holder.identity {
+        Some(identity) => {
+            let up = std::time::SystemTime::now()
+                .duration_since(identity.started)
+                .unwrap_or_default();
+            format!("{identity}, up {:.1}s", up.as_secs_f64())
+        }
+        None => "unknown (gone)".to_owned(),
+    }
 }
 
 fn ttl(ttl: Option<Duration>) -> String {
@@ -290,5 +304,6 @@ fn print_detail(out: &mut impl Write, info: &LockInfo) {
             holder.holds,
             ttl(holder.ttl)
         );
+        let _ = writeln!(out, "    by {}", who(holder));
     }
 }

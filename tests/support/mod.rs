@@ -137,3 +137,16 @@ pub async fn take_soon(locks: &LockManager, key: &str, why: &str) {
         .unwrap_or_else(|e| panic!("{why}: {e}"));
     guard.release().await.unwrap();
 }
+
+/// Waits until `locks` has at least `n` requests queued behind busy locks.
+pub async fn until_waiting(locks: &LockManager, n: usize) {
+    let started = std::time::Instant::now();
+    while locks.stats().waiting_requests < n {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no request queued: {:?}",
+            locks.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}

@@ -14,8 +14,12 @@ pub(crate) use crate::scripts::millis;
 pub(crate) enum Attempt {
     /// The caller holds the lock; `fence` is its fencing token (0 without fencing).
     Held { fence: u64 },
-    /// Another owner holds it for about this much longer (`None`: no expiry was reported).
-    Busy { holder_ttl: Option<Duration> },
+    /// Another owner holds it for about this much longer (`None`: no expiry was reported);
+    /// `holder` is that owner's token (as a number), when the server named it.
+    Busy {
+        holder_ttl: Option<Duration>,
+        holder: Option<u128>,
+    },
     /// Granted, but fewer replicas than asked acknowledged it: already given back.
     Unreplicated { acked: u32, wanted: u32 },
     /// Not granted: the semaphore is in use with `stored` permits, not the number asked for.
@@ -199,13 +203,17 @@ impl AcquireCall<'_> {
                     Ok(if extended == 1 {
                         Attempt::Held { fence: 0 }
                     } else {
-                        Attempt::Busy { holder_ttl: None }
+                        Attempt::Busy {
+                            holder_ttl: None,
+                            holder: None,
+                        }
                     })
                 }
-                Ok(Some(_)) => {
+                Ok(Some(holder)) => {
                     let left: i64 = conn.query(redis::cmd("PTTL").arg(&req.lock)).await?;
                     Ok(Attempt::Busy {
                         holder_ttl: holder_ttl(left),
+                        holder: u128::from_str_radix(&holder, 16).ok(),
                     })
                 }
                 Err(error) if error.code() == Some("WRONGTYPE") => {
@@ -252,6 +260,7 @@ pub(super) fn attempt(held: i64, value: i64) -> Attempt {
         },
         _ => Attempt::Busy {
             holder_ttl: u64::try_from(value).ok().map(Duration::from_millis),
+            holder: None,
         },
     }
 }

@@ -34,6 +34,8 @@ pub(super) struct Link {
 struct Inner {
     client: Client,
     config: AsyncConnectionConfig,
+    /// What each connection calls itself on the server (`CLIENT SETNAME`).
+    name: Arc<str>,
     lost: Lost,
     state: Mutex<State>,
 }
@@ -52,12 +54,19 @@ enum State {
 
 impl Link {
     /// A link to the server of `client`; nothing is sent until it is used. `config` bounds
-    /// each connect and each answer; `lost` hears of connections the server ended.
-    pub(super) fn new(client: Client, config: AsyncConnectionConfig, lost: Lost) -> Self {
+    /// each connect and each answer; `name` is what each connection calls itself on the
+    /// server; `lost` hears of connections the server ended.
+    pub(super) fn new(
+        client: Client,
+        config: AsyncConnectionConfig,
+        name: Arc<str>,
+        lost: Lost,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 client,
                 config,
+                name,
                 lost,
                 state: Mutex::new(State::Closed),
             }),
@@ -131,6 +140,7 @@ impl Link {
     fn open(&self) -> Opening {
         let generation = GENERATION.next();
         let client = self.inner.client.clone();
+        let name = self.inner.name.clone();
         let mut config = self.inner.config.clone();
         if client
             .get_connection_info()
@@ -164,6 +174,17 @@ impl Link {
                         .await?
                 }
             };
+            // Named, so that `CLIENT LIST` shows whose connection it is. A server or user that
+            // refuses the name costs nothing more: the connection serves as it is.
+            let mut named = conn.clone();
+            let setname = redis::cmd("CLIENT")
+                .arg("SETNAME")
+                .arg(&*name)
+                .query_async::<redis::Value>(&mut named)
+                .await;
+            if let Err(error) = setname {
+                tracing::debug!(%error, "the connection could not be named");
+            }
             Ok((conn, generation))
         }
         .boxed()

@@ -135,7 +135,7 @@ impl Backend {
     }
 
     /// Every endpoint: the one, or each RedLock master.
-    fn nodes(&self) -> &[Node] {
+    pub(crate) fn nodes(&self) -> &[Node] {
         match &self.topology {
             Topology::One(node) => std::slice::from_ref(node),
             Topology::RedLock(masters) => &masters.nodes,

@@ -60,6 +60,8 @@ pub(crate) struct ConnectOptions {
     /// What this manager's releases of plain locks publish on the wake channel, so that its
     /// own waiters can tell them from other processes' releases.
     pub(crate) tag: Arc<str>,
+    /// The name this manager's connections give themselves (`CLIENT SETNAME`).
+    pub(crate) client_name: Arc<str>,
 }
 
 /// One Redis server (or anything that speaks to one endpoint).
@@ -95,6 +97,7 @@ pub(super) struct Pool {
     pub(super) delete: Mutex<NativeDelete>,
     pub(super) security: Arc<Security>,
     pub(super) tag: Arc<str>,
+    pub(super) client_name: Arc<str>,
 }
 
 /// A server's native compare-and-delete, if it has one; without, a small script does it.
@@ -231,6 +234,7 @@ impl Node {
                 delete: Mutex::new(NativeDelete::Script),
                 security: options.security,
                 tag: options.tag,
+                client_name: options.client_name,
             }),
         };
         Ok(node)
@@ -515,7 +519,12 @@ impl Node {
                             .suspect = true;
                     }
                 });
-                Conn::Single(Link::new(self.client(), self.pool.config.clone(), lost))
+                Conn::Single(Link::new(
+                    self.client(),
+                    self.pool.config.clone(),
+                    self.pool.client_name.clone(),
+                    lost,
+                ))
             }
         };
         let (conn, first) = {

@@ -88,6 +88,7 @@ impl RedLock {
         let mut held = 0;
         let mut fence = 0;
         let mut busy_for: Option<Duration> = None;
+        let mut holder: Option<u128> = None;
         let mut error = None;
         let mut failed = 0;
         for answer in answers {
@@ -98,7 +99,11 @@ impl RedLock {
                 }
                 // Semaphores are not available with several masters: no mismatch comes here.
                 Ok(Attempt::Unreplicated { .. } | Attempt::PermitsMismatch { .. }) => {}
-                Ok(Attempt::Busy { holder_ttl }) => {
+                Ok(Attempt::Busy {
+                    holder_ttl,
+                    holder: named,
+                }) => {
+                    holder = holder.or(named);
                     // A master whose copy is gone since (another waiter's minority grant,
                     // given back) is free there, not a holder about to leave: it bounds
                     // nothing, or every waiter would go round at once while the majority's
@@ -133,6 +138,7 @@ impl RedLock {
             Some(error) if self.nodes.len() - failed < self.quorum => Err(error),
             _ => Ok(Attempt::Busy {
                 holder_ttl: busy_for,
+                holder,
             }),
         }
     }
