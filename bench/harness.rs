@@ -277,7 +277,7 @@ impl Contend for Manual {
     type Guard = distlock::LockGuard;
 
     async fn acquire(&mut self, key: &str) -> Option<Self::Guard> {
-        wait_for(&self.0, key, false).await
+        wait_for(&self.0, key, false, true).await
     }
 
     async fn release(&mut self, guard: Self::Guard) {
@@ -285,11 +285,34 @@ impl Contend for Manual {
     }
 }
 
-/// Waits for `key` (a minute at most), `fair` or not; `None` when that was not enough.
-async fn wait_for(locks: &LockManager, key: &str, fair: bool) -> Option<distlock::LockGuard> {
+/// The manual API with `cohort(false)`: every hand-over goes through the server.
+#[derive(Clone)]
+pub(crate) struct Server(pub(crate) LockManager);
+
+impl Contend for Server {
+    type Guard = distlock::LockGuard;
+
+    async fn acquire(&mut self, key: &str) -> Option<Self::Guard> {
+        wait_for(&self.0, key, false, false).await
+    }
+
+    async fn release(&mut self, guard: Self::Guard) {
+        guard.release().await.expect("release");
+    }
+}
+
+/// Waits for `key` (a minute at most), `fair` or not, passed locally (`cohort`) or not;
+/// `None` when that was not enough.
+async fn wait_for(
+    locks: &LockManager,
+    key: &str,
+    fair: bool,
+    cohort: bool,
+) -> Option<distlock::LockGuard> {
     let request = locks
         .lock(key)
         .fair(fair)
+        .cohort(cohort)
         .ttl(TTL)
         .wait(Duration::from_secs(60))
         .retry_delay(Duration::from_millis(1));
@@ -308,7 +331,7 @@ impl Contend for Fair {
     type Guard = distlock::LockGuard;
 
     async fn acquire(&mut self, key: &str) -> Option<Self::Guard> {
-        wait_for(&self.0, key, true).await
+        wait_for(&self.0, key, true, false).await
     }
 
     async fn release(&mut self, guard: Self::Guard) {

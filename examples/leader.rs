@@ -76,16 +76,23 @@ async fn observe_and_kill(url: &str) -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     let mut observer = locks.election("scheduler").observe().await?;
     let exe = std::env::current_exe()?;
-    let mut replicas: Vec<Child> = (0..3)
-        .map(|n| {
-            Command::new(&exe)
-                .args(["--replica", &n.to_string()])
-                .env("REDIS_URL", url)
-                .spawn()
-        })
-        .collect::<Result<_, _>>()?;
+    let mut replicas = Replicas(Vec::new());
+    for n in 0..3 {
+        let replica = Command::new(&exe)
+            .args(["--replica", &n.to_string()])
+            .env("REDIS_URL", url)
+            .spawn()?;
+        replicas.0.push(replica);
+    }
+    let replicas = &mut replicas.0;
     let mut killed: Option<Instant> = None;
-    while let Some(change) = observer.next().await {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Ok(Some(change)) = tokio::time::timeout(left, observer.next()).await else {
+            eprintln!("no change within 30 s: giving up");
+            break;
+        };
         let after = killed.map_or_else(String::new, |at| {
             format!(" ({:.1}s after the kill)", at.elapsed().as_secs_f64())
         });
@@ -110,10 +117,18 @@ async fn observe_and_kill(url: &str) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     tokio::time::sleep(Duration::from_millis(700)).await;
-    for replica in &mut replicas {
-        let _ = replica.kill();
-        let _ = replica.wait();
-    }
     locks.shutdown().await;
     Ok(())
+}
+
+/// The replica processes, killed when dropped: on the way out, on an error or a panic.
+struct Replicas(Vec<Child>);
+
+impl Drop for Replicas {
+    fn drop(&mut self) {
+        for replica in &mut self.0 {
+            let _ = replica.kill();
+            let _ = replica.wait();
+        }
+    }
 }

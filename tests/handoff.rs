@@ -71,7 +71,14 @@ async fn a_release_hands_the_lock_to_a_waiting_task_in_one_round_trip() {
     // Its own server: the command counts are server-wide.
     let server = RedisServer::start().unwrap();
     let locks = manager(&server, "h:").await;
-    let holder = locks.lock("k").ttl(LONG).acquire().await.unwrap();
+    // Through the server: without `cohort(false)` the lock would pass with no command at all.
+    let holder = locks
+        .lock("k")
+        .ttl(LONG)
+        .cohort(false)
+        .acquire()
+        .await
+        .unwrap();
     let waiting = tokio::spawn({
         let locks = locks.clone();
         async move {

@@ -146,6 +146,8 @@ struct State {
     liveness_samples: u64,
     steals: u64,
     elections: u64,
+    /// Entries by a cohort's local pass (no server command).
+    local_passes: u64,
     /// Each election's terms, and when their leaders left.
     terms: HashMap<String, Vec<(u64, Option<Instant>)>>,
 }
@@ -153,6 +155,9 @@ struct State {
 struct Holder {
     id: u64,
     owner: String,
+    /// The owner and its place in a cohort's run: holders one after another that share a
+    /// server hold (and so its token) by local passes are different holders.
+    holder: String,
     kind: Kind,
     entered: Instant,
     valid_until: Instant,
@@ -180,8 +185,10 @@ impl History {
         let now = Instant::now();
         let valid_until = now + guard.remaining();
         let owner = guard.token().to_owned();
+        let holder = format!("{owner}#{}", guard.local_passes());
         let mut state = self.lock();
         state.acquisitions += 1;
+        state.local_passes += u64::from(guard.local_passes() > 0);
         let event = format!(
             "{:?} #{} {who} enters {key} as {kind:?} (owner {}, valid {:?})",
             now,
@@ -197,7 +204,7 @@ impl History {
             .get(key)
             .into_iter()
             .flatten()
-            .filter(|h| h.owner != owner && h.valid_until > now && lost_in_failover(h))
+            .filter(|h| h.holder != holder && h.valid_until > now && lost_in_failover(h))
             .count();
         state.excused += excused as u64;
         let live: Vec<(Kind, String)> = state
@@ -205,8 +212,8 @@ impl History {
             .get(key)
             .into_iter()
             .flatten()
-            .filter(|h| h.owner != owner && h.valid_until > now && !lost_in_failover(h))
-            .map(|h| (h.kind, h.owner.clone()))
+            .filter(|h| h.holder != holder && h.valid_until > now && !lost_in_failover(h))
+            .map(|h| (h.kind, h.holder.clone()))
             .collect();
         let mut conflict =
             live.iter()
@@ -241,6 +248,7 @@ impl History {
             .push(Holder {
                 id,
                 owner,
+                holder,
                 kind,
                 entered: now,
                 valid_until,
@@ -333,9 +341,11 @@ impl History {
     fn report(&self, seed: u64, topology: &str) {
         let state = self.lock();
         println!(
-            "history [{topology}] seed {seed}: {} acquisitions ({} leaders elected), {} lease \
-             checks, {} steals, {} liveness samples, {} faults injected, {} violations{}",
+            "history [{topology}] seed {seed}: {} acquisitions ({} by local pass, {} leaders \
+             elected), {} lease checks, {} steals, {} liveness samples, {} faults injected, {} \
+             violations{}",
             state.acquisitions,
+            state.local_passes,
             state.elections,
             state.lease_checks,
             state.steals,

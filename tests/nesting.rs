@@ -196,7 +196,9 @@ async fn visit_by_hand(
         .acquire()
         .await?;
     room.visit(locks).await;
-    let token = guard.token().to_owned();
+    // Holders one after another by a local pass share the server hold's token: the pass
+    // count tells them apart.
+    let token = format!("{}#{}", guard.token(), guard.local_passes());
     guard.release().await?;
     Ok(token)
 }

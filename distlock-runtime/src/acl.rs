@@ -39,8 +39,8 @@ const COMMANDS: &[&str] = &[
 impl LockManager {
     /// The `ACL SETUSER` rules for a user that may do everything distlock does under key
     /// prefix `prefix`, and nothing else: its commands, its keys (`~prefix*`, and
-    /// `~distlock-manager:*` where managers register who they are) and its pub/sub channels
-    /// (`&prefix*`).
+    /// `~distlock-manager:prefix*` where its managers register who they are) and its pub/sub
+    /// channels (`&prefix*`).
     ///
     /// ```
     /// let rules = distlock_runtime::LockManager::acl_rules("myapp:lock:");
@@ -54,9 +54,10 @@ impl LockManager {
             rules.push_str(" +");
             rules.push_str(command);
         }
-        // The manager's registration (who it is), outside every prefix.
+        // The managers' registrations (who they are), next to the prefix.
         rules.push_str(" ~");
         rules.push_str(crate::identity::REGISTRATIONS);
+        rules.push_str(&pattern);
         rules.push('*');
         rules
     }

@@ -47,6 +47,10 @@ pub(crate) struct Held {
     pub(crate) guards: AtomicUsize,
     /// The latest end of a `min_hold` asked for by any of the guards.
     pub(crate) keep_until: Mutex<Option<Instant>>,
+    /// The request allows a local pass at release (see `LockRequest::cohort`).
+    pub(crate) cohort: bool,
+    /// How many local passes this hold is from the server's grant (0: granted by Redis).
+    pub(crate) passes: u32,
 }
 
 impl Held {

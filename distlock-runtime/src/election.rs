@@ -117,19 +117,32 @@ impl Election {
     ///
     /// Errors: [`LockError::Busy`] when `wait` ran out; [`LockError::ShutDown`] when the
     /// manager was shut down; [`LockError::Redis`] when Redis could not be reached at the end;
-    /// [`LockError::InvalidInput`] for a bad name or ttl. On RedLock, a term is the largest
-    /// counter of the majority that granted, as fencing tokens are there.
+    /// [`LockError::InvalidInput`] for a bad name or ttl, and on RedLock, whose masters keep
+    /// independent counters, so that no term could be trusted to grow.
     pub async fn campaign(&self) -> Result<Leadership, LockError> {
+        self.check()?;
         let wait = self.wait.unwrap_or(Duration::MAX);
         self.elect(self.request().wait(wait).acquire().await?).await
     }
 
     /// Leads if nobody does now: `Ok(None)` when another process leads. Never waits.
     pub async fn try_campaign(&self) -> Result<Option<Leadership>, LockError> {
+        self.check()?;
         match self.request().try_acquire().await? {
             Some(guard) => Ok(Some(self.elect(guard).await?)),
             None => Ok(None),
         }
+    }
+
+    /// Terms are fencing tokens: one counter, which RedLock does not have.
+    fn check(&self) -> Result<(), LockError> {
+        if self.manager.inner.backend.capabilities().fencing {
+            return Ok(());
+        }
+        Err(LockError::invalid(
+            "election",
+            "elections draw their terms from one counter; RedLock masters count independently",
+        ))
     }
 
     fn request(&self) -> crate::LockRequest<'_> {
@@ -205,12 +218,21 @@ impl Election {
         loop {
             let leadership = match self.campaign().await {
                 Ok(leadership) => leadership,
-                Err(error @ (LockError::Busy { .. } | LockError::Redis { .. })) => {
+                Err(
+                    error @ (LockError::ShutDown
+                    | LockError::InvalidInput { .. }
+                    | LockError::Config(_)
+                    | LockError::DriverStopped),
+                ) => return error,
+                // Anything else passes: Redis failing, a replica late, a wait run out.
+                Err(error) => {
                     tracing::debug!(%error, election = %self.name, "campaign failed; again");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    let again = std::time::Instant::now() + Duration::from_millis(100);
+                    if let Err(error) = self.manager.inner.sleep_until(again).await {
+                        return error;
+                    }
                     continue;
                 }
-                Err(error) => return error,
             };
             let term = leadership.term();
             let ended = tokio::select! {
@@ -464,62 +486,79 @@ async fn announce(manager: &LockManager, keys: &Keys, news: &News) {
     }
 }
 
-/// Who leads the election whose lock is `lock_name`, read from the lock itself (its holder and
-/// fencing token) and the record its leader wrote.
+/// Who leads the election whose lock is `lock_name`, read from the lock itself (its holder
+/// and fencing token: the hash of a fenced lock) and the record its leader wrote. Uses only
+/// commands a user restricted by `LockManager::acl_rules` may send.
 async fn leader_of(
     manager: &LockManager,
     lock_name: &str,
 ) -> Result<Option<LeaderInfo>, LockError> {
     let keys = Keys::new(&manager.inner.prefix, lock_name.to_owned())?;
-    let Some(info) = manager.inspect(lock_name).await? else {
-        return Ok(None);
+    let registry = Arc::clone(&manager.inner.registry);
+    let read = move |backend: crate::backend::Backend| async move {
+        let node = backend.inspected();
+        let fields: Vec<String> = node.query(redis::cmd("HKEYS").arg(&keys.lock)).await?;
+        let Some(token) = fields.into_iter().find(|field| {
+            !matches!(field.as_str(), "mode" | "permits" | "fence" | "min_hold")
+                && !field.starts_with("h:")
+        }) else {
+            return Ok(None);
+        };
+        let term: Option<u64> = node
+            .query(redis::cmd("HGET").arg(&keys.lock).arg("fence"))
+            .await?;
+        let record: Option<String> = node.query(redis::cmd("GET").arg(channel(&keys))).await?;
+        let since = match record.as_deref().and_then(News::decode) {
+            Some(News::Elected {
+                token: recorded,
+                since,
+                ..
+            }) if recorded == token => UNIX_EPOCH.checked_add(Duration::from_millis(since)),
+            _ => None,
+        };
+        let identity = registry.lookup(&backend, &token).await.ok().flatten();
+        Ok::<_, redis::RedisError>(Some(LeaderInfo {
+            term: term.unwrap_or_default(),
+            token,
+            identity,
+            since,
+        }))
     };
-    let Some(holder) = info.holders.into_iter().next() else {
-        return Ok(None);
-    };
-    let node_record = channel(&keys);
-    let record: Option<String> = manager
+    manager
         .inner
-        .exec(move |backend| async move {
-            let mut get = redis::cmd("GET");
-            get.arg(&node_record);
-            backend.inspected().query(&get).await
-        })
+        .exec(read)
         .await?
-        .map_err(|e| LockError::redis(lock_name, e))?;
-    let since = match record.as_deref().and_then(News::decode) {
-        Some(News::Elected { token, since, .. }) if token == holder.token => {
-            Some(UNIX_EPOCH + Duration::from_millis(since))
-        }
-        _ => None,
-    };
-    Ok(Some(LeaderInfo {
-        term: holder.fence.or(info.fencing_counter).unwrap_or_default(),
-        token: holder.token,
-        identity: holder.identity,
-        since,
-    }))
+        .map_err(|e| LockError::redis(lock_name, e))
 }
 
-/// What an observer last told: the term it saw last, and whether that leader still leads.
+/// What an observer last told: the largest term it saw, the leader it told last, and whether
+/// that leader still leads.
 #[derive(Debug, Default)]
 struct Seen {
     term: u64,
+    token: Option<String>,
     leading: bool,
     told: bool,
 }
 
 impl Seen {
-    /// The change to tell, if `now` is news.
-    fn change(&mut self, now: Option<LeaderInfo>) -> Option<LeaderChange> {
+    /// The change to tell, if `now` is news. An announcement is news with a larger term; a
+    /// look at the state (`looked`) is the truth of its moment, so any other leader than the
+    /// one told is news then (after a failover lost the counter, a term can come again), and
+    /// so is nobody.
+    fn change(&mut self, now: Option<LeaderInfo>, looked: bool) -> Option<LeaderChange> {
         match now {
-            Some(leader) if leader.term > self.term || (!self.told) => {
+            Some(leader) => {
+                let same = self.leading && self.token.as_deref() == Some(leader.token.as_str());
+                if self.told && (same || (leader.term <= self.term && !looked)) {
+                    return None;
+                }
                 self.term = self.term.max(leader.term);
+                self.token = Some(leader.token.clone());
                 self.leading = true;
                 self.told = true;
                 Some(LeaderChange::Leader(leader))
             }
-            Some(_) => None,
             None if self.leading || !self.told => {
                 self.leading = false;
                 self.told = true;
@@ -529,17 +568,46 @@ impl Seen {
         }
     }
 
-    /// A resignation of `term` is news only while that term is the one told.
-    fn resigned(&mut self, term: u64) -> Option<LeaderChange> {
-        (self.leading && term == self.term).then(|| {
+    /// A resignation is news only from the leader told.
+    fn resigned(&mut self, token: &str) -> Option<LeaderChange> {
+        (self.leading && self.token.as_deref() == Some(token)).then(|| {
             self.leading = false;
             LeaderChange::NoLeader
         })
     }
 }
 
+/// How long subscribing may take before the observer tries again.
+const SUBSCRIBE_BOUND: Duration = Duration::from_secs(2);
+/// How often a following observer looks at the state itself: a leader that died with no
+/// successor, or a shutdown, announces nothing; a connection can also die silently.
+const LOOK_AGAIN: Duration = Duration::from_secs(5);
+/// How often it checks that its manager still runs.
+const CHECK: Duration = Duration::from_secs(1);
+
+/// The state now, read through the manager (if it still runs).
+async fn look(
+    inner: &Weak<Inner>,
+    lock_name: &str,
+) -> Option<Result<Option<LeaderInfo>, LockError>> {
+    let manager = inner.upgrade().map(|inner| LockManager { inner })?;
+    if manager.inner.holds.is_shut_down() {
+        return None;
+    }
+    Some(leader_of(&manager, lock_name).await)
+}
+
+/// Whether the observer should stop: its manager is gone or shut down.
+fn stopped(inner: &Weak<Inner>) -> bool {
+    inner
+        .upgrade()
+        .is_none_or(|inner| inner.holds.is_shut_down())
+}
+
 /// The observer's task, on the manager's runtime: subscribes, reads the state, then follows
-/// the announcements; after a failure it subscribes and reads again.
+/// the announcements, looking at the state again now and then; after a failure it subscribes
+/// and reads again. Holds no strong reference to the manager except while it reads, and
+/// ends once the manager is shut down or dropped, or the observer is.
 async fn follow(
     inner: Weak<Inner>,
     lock_name: String,
@@ -548,53 +616,79 @@ async fn follow(
 ) {
     let mut seen = Seen::default();
     let mut pause = Duration::from_millis(50);
+    let Some((backend, registry)) = inner
+        .upgrade()
+        .map(|inner| (inner.backend.clone(), Arc::clone(&inner.registry)))
+    else {
+        return;
+    };
     loop {
-        let Some(manager) = inner.upgrade().map(|inner| LockManager { inner }) else {
-            return;
-        };
-        if manager.inner.holds.is_shut_down() {
+        if stopped(&inner) || changes.is_closed() {
             return;
         }
-        let subscribed = async {
-            let mut pubsub = manager.inner.backend.pubsub().await?;
+        let subscribed = tokio::time::timeout(SUBSCRIBE_BOUND, async {
+            let mut pubsub = backend.pubsub().await?;
             pubsub.subscribe(&channel).await?;
             Ok::<_, redis::RedisError>(pubsub)
-        }
+        })
         .await;
-        let mut pubsub = match subscribed {
-            Ok(pubsub) => pubsub,
-            Err(error) => {
-                tracing::debug!(%error, "an election observer could not subscribe");
-                drop(manager);
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(2));
-                continue;
-            }
-        };
         // Subscribed before reading: a change between the two is heard, not missed.
-        let now = match leader_of(&manager, &lock_name).await {
-            Ok(now) => now,
-            Err(error) => {
-                tracing::debug!(%error, "an election observer could not read the leader");
-                drop(manager);
-                tokio::time::sleep(pause).await;
-                continue;
+        let now = match subscribed {
+            Ok(Ok(pubsub)) => match look(&inner, &lock_name).await {
+                None => return,
+                Some(Ok(now)) => Some((pubsub, now)),
+                Some(Err(error)) => {
+                    tracing::debug!(%error, "an election observer could not read the leader");
+                    None
+                }
+            },
+            Ok(Err(error)) => {
+                tracing::debug!(%error, "an election observer could not subscribe");
+                None
             }
+            Err(_) => None,
+        };
+        let Some((mut pubsub, now)) = now else {
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(2));
+            continue;
         };
         pause = Duration::from_millis(50);
-        if let Some(change) = seen.change(now)
+        if let Some(change) = seen.change(now, true)
             && changes.send(change).is_err()
         {
             return;
         }
-        let registry = Arc::clone(&manager.inner.registry);
-        let backend = manager.inner.backend.clone();
-        drop(manager);
         let mut messages = pubsub.on_message();
+        let mut check = tokio::time::interval(CHECK);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut looked = tokio::time::Instant::now();
         loop {
             let message = tokio::select! {
                 message = messages.next() => message,
                 () = changes.closed() => return,
+                _ = check.tick() => {
+                    if stopped(&inner) {
+                        return;
+                    }
+                    if looked.elapsed() < LOOK_AGAIN {
+                        continue;
+                    }
+                    looked = tokio::time::Instant::now();
+                    match look(&inner, &lock_name).await {
+                        None => return,
+                        Some(Ok(now)) => {
+                            if let Some(change) = seen.change(now, true)
+                                && changes.send(change).is_err()
+                            {
+                                return;
+                            }
+                            continue;
+                        }
+                        // Subscribe and read again.
+                        Some(Err(_)) => break,
+                    }
+                }
             };
             let Some(message) = message else { break };
             let Ok(text) = message.get_payload::<String>() else {
@@ -603,14 +697,17 @@ async fn follow(
             let change = match News::decode(&text) {
                 Some(News::Elected { term, token, since }) => {
                     let identity = registry.lookup(&backend, &token).await.ok().flatten();
-                    seen.change(Some(LeaderInfo {
-                        term,
-                        token,
-                        identity,
-                        since: Some(UNIX_EPOCH + Duration::from_millis(since)),
-                    }))
+                    seen.change(
+                        Some(LeaderInfo {
+                            term,
+                            token,
+                            identity,
+                            since: UNIX_EPOCH.checked_add(Duration::from_millis(since)),
+                        }),
+                        false,
+                    )
                 }
-                Some(News::Resigned { term, .. }) => seen.resigned(term),
+                Some(News::Resigned { token, .. }) => seen.resigned(&token),
                 None => None,
             };
             if let Some(change) = change
@@ -662,28 +759,50 @@ mod tests {
         }
     }
 
-    #[test]
-    fn an_observer_tells_each_change_once_in_term_order() {
-        let mut seen = Seen::default();
-        assert_eq!(seen.change(None), Some(LeaderChange::NoLeader));
-        assert_eq!(seen.change(None), None);
-        assert!(matches!(seen.change(leader(3)), Some(LeaderChange::Leader(l)) if l.term == 3));
-        assert_eq!(seen.change(leader(3)), None, "the same term again");
-        assert_eq!(seen.change(leader(2)), None, "an older term, late");
-        assert_eq!(seen.resigned(2), None, "an older term resigning");
-        assert_eq!(seen.resigned(3), Some(LeaderChange::NoLeader));
-        assert_eq!(seen.resigned(3), None);
-        assert!(matches!(seen.change(leader(5)), Some(LeaderChange::Leader(l)) if l.term == 5));
-        // A successor elected before the resignation of its predecessor is heard.
-        assert_eq!(seen.resigned(3), None);
+    fn token(term: u64) -> String {
+        format!("{term:032x}")
+    }
+
+    fn told_leader(change: Option<LeaderChange>) -> Option<u64> {
+        match change {
+            Some(LeaderChange::Leader(leader)) => Some(leader.term),
+            _ => None,
+        }
     }
 
     #[test]
-    fn the_first_state_is_told_even_when_it_is_a_leader_of_term_zero() {
+    fn an_observer_tells_each_change_once_in_term_order() {
         let mut seen = Seen::default();
-        assert!(matches!(
-            seen.change(leader(0)),
-            Some(LeaderChange::Leader(_))
-        ));
+        assert_eq!(seen.change(None, true), Some(LeaderChange::NoLeader));
+        assert_eq!(seen.change(None, true), None);
+        assert_eq!(told_leader(seen.change(leader(3), false)), Some(3));
+        assert_eq!(seen.change(leader(3), false), None, "the same leader again");
+        assert_eq!(
+            seen.change(leader(3), true),
+            None,
+            "the same leader, looked at"
+        );
+        assert_eq!(seen.change(leader(2), false), None, "an older term, late");
+        assert_eq!(seen.resigned(&token(2)), None, "an older leader resigning");
+        assert_eq!(seen.resigned(&token(3)), Some(LeaderChange::NoLeader));
+        assert_eq!(seen.resigned(&token(3)), None);
+        assert_eq!(told_leader(seen.change(leader(5), false)), Some(5));
+        // A successor elected before the resignation of its predecessor is heard.
+        assert_eq!(seen.resigned(&token(3)), None);
+    }
+
+    #[test]
+    fn a_look_tells_what_announcements_cannot() {
+        let mut seen = Seen::default();
+        assert_eq!(
+            told_leader(seen.change(leader(0), true)),
+            Some(0),
+            "term 0 first"
+        );
+        assert_eq!(told_leader(seen.change(leader(7), false)), Some(7));
+        // The leader died with no successor: only a look tells.
+        assert_eq!(seen.change(None, true), Some(LeaderChange::NoLeader));
+        // A failover lost the counter: a term comes again, with another leader.
+        assert_eq!(told_leader(seen.change(leader(4), true)), Some(4));
     }
 }

@@ -15,7 +15,7 @@ use crate::id_map::IdMap;
 use crate::lease::{LeaseState, saturating_add};
 use crate::lock::check_ttl;
 use crate::manager::{Inner, LockManager};
-use crate::waiters::{Grant, Next, Offer};
+use crate::waiters::{Grant, Next, Offer, Passable};
 use crate::watchdog::Registration;
 
 /// How an acquisition went: attempts made and time spent before the lock was held.
@@ -113,7 +113,8 @@ impl LockGuard {
     /// This acquisition's owner token: 128 bits in hex, unique to it: the manager's id (its
     /// first 16 hex digits, drawn at random when the manager was built, which the inspector
     /// reads its [`HolderIdentity`](crate::HolderIdentity) by) and 64 bits counting. Nested
-    /// reentrant holds share the outer hold's token.
+    /// reentrant holds share the outer hold's token, and so do the holders of a cohort's run
+    /// (see [`local_passes`](Self::local_passes)): the token names the hold on the server.
     pub fn token(&self) -> &str {
         &self.parts.held.ids.token
     }
@@ -127,6 +128,14 @@ impl LockGuard {
     /// hold's token.
     pub fn fencing_token(&self) -> Option<u64> {
         self.parts.fence
+    }
+
+    /// How many local passes this hold is from the server's grant: 0 when Redis granted it to
+    /// this request; `n` when it came by the `n`-th pass of a run among this manager's own
+    /// tasks (see [`LockRequest::cohort`](crate::LockRequest::cohort)), holding the server
+    /// hold of the first holder of the run, its [`token`](Self::token) and lease included.
+    pub fn local_passes(&self) -> u32 {
+        self.parts.held.passes
     }
 
     /// The lease length this guard was granted or last extended to.
@@ -278,11 +287,21 @@ impl LockGuard {
             && keep_until.is_none()
             && inner.backend.capabilities().hand_off
         {
+            let passable = self.parts.held.cohort.then(|| Passable {
+                remaining: self.parts.lease.remaining(),
+            });
             match inner
                 .waiters
-                .next(&self.parts.held.ids.wake, self.parts.lease.ttl())
+                .next(&self.parts.held.ids.wake, self.parts.lease.ttl(), passable)
             {
                 Next::Release => {}
+                Next::Pass(offer) => {
+                    if self.pass(offer).is_ok() {
+                        unanswered.0 = None;
+                        return Ok(());
+                    }
+                    // The waiter left: this release goes to everyone, as below.
+                }
                 Next::Yield => {
                     let outcome = Box::pin(self.yield_to_others()).await;
                     unanswered.0 = None;
@@ -395,6 +414,35 @@ impl LockGuard {
         }
     }
 
+    /// Passes the lock to a local waiter's `offer` with no server command: the waiter takes
+    /// this server hold over as it is (token and lease). `Err` when the waiter has left: the
+    /// lock is still this guard's to release.
+    fn pass(&self, offer: Offer) -> Result<(), ()> {
+        let inner = &self.parts.manager.inner;
+        let ids = self.ids();
+        let local = LocalPass {
+            ids: ids.clone(),
+            lease: self.parts.lease.clone(),
+            passes: self.parts.held.passes.saturating_add(1),
+        };
+        let handed = Handed {
+            sent: Instant::now(),
+            unclaimed: Some((inner.clone(), ids)),
+            local: Some(local),
+        };
+        match offer.handed.send(handed) {
+            Ok(()) => {
+                inner.waiters.passed();
+                tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "passed locally");
+                Ok(())
+            }
+            Err(mut handed) => {
+                handed.unclaimed = None;
+                Err(())
+            }
+        }
+    }
+
     /// Passes the lock to a local waiter's `offer` in one round trip: the owner becomes the
     /// waiter's token, with the waiter's lease, if this owner still holds it. `None` when the
     /// answer was lost; otherwise the release's outcome.
@@ -425,6 +473,7 @@ impl LockGuard {
                 let handed = handed.send(Handed {
                     sent,
                     unclaimed: Some((inner.clone(), next)),
+                    local: None,
                 });
                 // The waiter gave up (or was cancelled) meanwhile: nobody takes the lock here,
                 // so this release gives it to everyone, with the wake-up, before it returns.
@@ -501,13 +550,30 @@ impl Drop for LockGuard {
 pub(crate) struct Handed {
     sent: Instant,
     unclaimed: Option<(Arc<Inner>, Arc<HoldIds>)>,
+    /// Passed locally: the server hold taken over as it is.
+    local: Option<LocalPass>,
+}
+
+/// A server hold passed on by a local release, with no server command: its owner token (in
+/// the hold ids), its lease, and how many passes it is from the server's grant.
+#[derive(Debug)]
+pub(crate) struct LocalPass {
+    pub(crate) ids: Arc<HoldIds>,
+    pub(crate) lease: Arc<LeaseState>,
+    pub(crate) passes: u32,
 }
 
 impl Handed {
-    /// Takes the lock over: when the hand-off was sent, which is when its lease began.
-    pub(crate) fn claim(mut self) -> Instant {
+    /// Takes the lock over: when the hand-off was sent, which is when its lease began, and
+    /// the server hold it takes over when it was passed locally.
+    pub(crate) fn claim(mut self) -> (Instant, Option<LocalPass>) {
         self.unclaimed = None;
-        self.sent
+        (self.sent, self.local.take())
+    }
+
+    /// Whether the lock came by a local pass (the waiter's own token took no part).
+    pub(crate) fn is_local(&self) -> bool {
+        self.local.is_some()
     }
 }
 
@@ -667,6 +733,7 @@ pub(crate) fn hand_fair(inner: &Arc<Inner>, ids: &HoldIds, next: &str, sent: Ins
     let _ = offer.handed.send(Handed {
         sent,
         unclaimed: Some((inner.clone(), next)),
+        local: None,
     });
 }
 

@@ -8,7 +8,6 @@ use std::fmt;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::LockError;
 use crate::backend::Backend;
 
 /// How long a registration outlives its manager's last refresh: a crashed manager shows as
@@ -89,7 +88,7 @@ impl HolderIdentity {
         let client_name = lines.next()?.to_owned();
         let host = lines.next()?.to_owned();
         let pid = lines.next()?.parse().ok()?;
-        let started = UNIX_EPOCH + Duration::from_millis(lines.next()?.parse().ok()?);
+        let started = UNIX_EPOCH.checked_add(Duration::from_millis(lines.next()?.parse().ok()?))?;
         Some(Self {
             manager_id: manager_id.to_owned(),
             client_name,
@@ -109,7 +108,8 @@ pub(crate) fn default_client_name() -> String {
         .unwrap_or_else(|| "distlock".to_owned())
 }
 
-/// A client name is shown in one line and sent as a connection name: printable, no spaces.
+/// A client name is shown in one line and sent as a connection name, which Redis takes in
+/// printable ASCII without spaces (`!` to `~`).
 pub(crate) fn check_client_name(name: &str) -> Result<(), String> {
     if name.is_empty() {
         return Err("must not be empty".into());
@@ -117,22 +117,22 @@ pub(crate) fn check_client_name(name: &str) -> Result<(), String> {
     if name.len() > MAX_CLIENT_NAME {
         return Err(format!("is longer than {MAX_CLIENT_NAME} bytes"));
     }
-    if let Some(bad) = name.chars().find(|c| c.is_whitespace() || c.is_control()) {
+    if let Some(bad) = name.chars().find(|c| !c.is_ascii_graphic()) {
         return Err(format!(
-            "must be printable without spaces (found {:?})",
-            bad
+            "must be printable ASCII without spaces (found {bad:?})"
         ));
     }
     Ok(())
 }
 
-/// This machine's host name (Linux's kernel record, then `HOSTNAME`), or `unknown`.
+/// This machine's host name (Linux's kernel record, then `HOSTNAME`), or `unknown`; one
+/// line of printable characters, as the registration records it.
 fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
-        .map(|name| name.trim().to_owned())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|name| name.trim().replace(|c: char| c.is_control(), "?"))
         .filter(|name| !name.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok().filter(|n| !n.is_empty()))
         .unwrap_or_else(|| "unknown".to_owned())
 }
 
@@ -141,11 +141,12 @@ pub(crate) fn manager_of(token: &str) -> Option<&str> {
     (token.len() == 32 && token.bytes().all(|b| b.is_ascii_hexdigit())).then(|| &token[..16])
 }
 
-/// The registration key of manager `id`: one namespace for every prefix, outside them all
-/// (a lock's keys start with the prefix and a `{`), so that the keys under a prefix are the
-/// locks' alone and a released lock leaves nothing there.
-pub(crate) fn registration_key(id: &str) -> String {
-    format!("{REGISTRATIONS}{id}")
+/// The registration key of manager `id` under `prefix`: `distlock-manager:<prefix><id>`,
+/// outside the prefix itself (so that the keys under a prefix are the locks' alone, and a
+/// released lock leaves nothing there) but one namespace per prefix, which an ACL rule can
+/// grant with the prefix's own (see `LockManager::acl_rules`).
+pub(crate) fn registration_key(prefix: &str, id: &str) -> String {
+    format!("{REGISTRATIONS}{prefix}{id}")
 }
 
 /// Where managers register (see [`registration_key`]).
@@ -155,14 +156,16 @@ pub(crate) const REGISTRATIONS: &str = "distlock-manager:";
 #[derive(Debug)]
 pub(crate) struct Registry {
     pub(crate) identity: HolderIdentity,
+    prefix: String,
     key: String,
-    known: Mutex<HashMap<String, (HolderIdentity, Instant)>>,
+    known: Mutex<HashMap<String, (Option<HolderIdentity>, Instant)>>,
 }
 
 impl Registry {
-    pub(crate) fn new(identity: HolderIdentity) -> Self {
+    pub(crate) fn new(prefix: &str, identity: HolderIdentity) -> Self {
         Self {
-            key: registration_key(&identity.manager_id),
+            prefix: prefix.to_owned(),
+            key: registration_key(prefix, &identity.manager_id),
             identity,
             known: Mutex::new(HashMap::new()),
         }
@@ -209,25 +212,25 @@ impl Registry {
         if let Some((known, read)) = self.lock_known().get(id)
             && read.elapsed() < TRUSTED
         {
-            return Ok(Some(known.clone()));
+            return Ok(known.clone());
         }
         let mut get = redis::cmd("GET");
-        get.arg(registration_key(id));
+        get.arg(registration_key(&self.prefix, id));
         let value: Option<String> = backend.inspected().query(&get).await?;
         let identity = value.and_then(|value| HolderIdentity::decode(id, &value));
-        if let Some(identity) = &identity {
-            let mut known = self.lock_known();
-            if known.len() >= CACHED {
-                known.clear();
-            }
-            known.insert(id.to_owned(), (identity.clone(), Instant::now()));
-        } else {
-            self.lock_known().remove(id);
+        // Known or not, remembered a moment: a busy lock asked for again and again costs
+        // one read per holder per second at most.
+        let mut known = self.lock_known();
+        if known.len() >= CACHED {
+            known.clear();
         }
+        known.insert(id.to_owned(), (identity.clone(), Instant::now()));
         Ok(identity)
     }
 
-    fn lock_known(&self) -> std::sync::MutexGuard<'_, HashMap<String, (HolderIdentity, Instant)>> {
+    fn lock_known(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<String, (Option<HolderIdentity>, Instant)>> {
         self.known.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -243,23 +246,32 @@ pub(crate) async fn keep_registered(inner: Weak<crate::manager::Inner>) {
         }
         let backend = inner.backend.clone();
         let registry = Arc::clone(&inner.registry);
-        drop(inner);
         registry.register(&backend).await;
+        // A shutdown that removed the registration while this refresh was on its way must
+        // not see it come back.
+        if inner.holds.is_shut_down() {
+            registry.unregister(&backend).await;
+            return;
+        }
     }
 }
 
-/// A holder's identity for an error or a printout: `Ok(None)` when it is gone.
-pub(crate) async fn resolve(
-    manager: &crate::LockManager,
-    token: &str,
-) -> Result<Option<HolderIdentity>, LockError> {
+/// How long a busy error waits for its holder's identity at most: past it, the error goes
+/// without the name (the identity is for people reading, never worth a delay).
+const LOOKUP_BOUND: Duration = Duration::from_millis(100);
+
+/// A holder's identity for an error: `None` when it is gone, or could not be read at once.
+pub(crate) async fn resolve(manager: &crate::LockManager, token: &str) -> Option<HolderIdentity> {
     let inner = &manager.inner;
     let registry = Arc::clone(&inner.registry);
     let token = token.to_owned();
-    inner
-        .exec(move |backend| async move { registry.lookup(&backend, &token).await })
-        .await?
-        .map_err(|e| LockError::redis("<identity>", e))
+    let lookup = move |backend: Backend| async move {
+        tokio::time::timeout(LOOKUP_BOUND, registry.lookup(&backend, &token)).await
+    };
+    match inner.exec(lookup).await {
+        Ok(Ok(Ok(identity))) => identity,
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -309,6 +321,7 @@ mod tests {
         assert!(check_client_name("").is_err());
         assert!(check_client_name("two words").is_err());
         assert!(check_client_name("line\nbreak").is_err());
+        assert!(check_client_name("caf\u{e9}").is_err());
         assert!(check_client_name(&"x".repeat(MAX_CLIENT_NAME + 1)).is_err());
     }
 }

@@ -255,12 +255,15 @@ async fn read(locks: &LockManager, keys: &Keys) -> Result<Option<LockInfo>, Lock
         _ => {}
     }
     let inner = &locks.inner;
+    // Best effort: a registration that cannot be read (an ACL user without the rule for
+    // it, say) leaves the holder unnamed rather than failing the whole read.
     for holder in &mut info.holders {
         holder.identity = inner
             .registry
             .lookup(&inner.backend, &holder.token)
             .await
-            .map_err(failed)?;
+            .ok()
+            .flatten();
     }
     Ok(Some(info))
 }

@@ -11,7 +11,7 @@ use tracing::Instrument;
 use crate::LockError;
 use crate::backend::{AcquireRequest, Attempt, Shape};
 use crate::context::{self, Held, Kind};
-use crate::guard::{Acquired, Handed, LockGuard, Parts, keep_until};
+use crate::guard::{Acquired, Handed, LocalPass, LockGuard, Parts, keep_until};
 use crate::key::Keys;
 use crate::lease::{LeaseState, saturating_add};
 use crate::manager::LockManager;
@@ -58,6 +58,9 @@ pub struct LockRequest<'m> {
     reentrant: bool,
     min_hold: Option<Duration>,
     fair: bool,
+    cohort: bool,
+    /// Whether a busy error names the holder (not for `try_acquire`, which drops the error).
+    name_holder: bool,
     /// Whether the hold is recorded in the current frame; an annotated call records it in the
     /// frame it opens for its body instead.
     record: bool,
@@ -78,6 +81,7 @@ impl fmt::Debug for LockRequest<'_> {
             .field("reentrant", &self.reentrant)
             .field("min_hold", &self.min_hold)
             .field("fair", &self.fair)
+            .field("cohort", &self.cohort)
             .finish_non_exhaustive()
     }
 }
@@ -107,6 +111,7 @@ struct Plan {
     reentrant: bool,
     min_hold: Option<Duration>,
     fair: bool,
+    cohort: bool,
     metrics: crate::metrics::Labels,
 }
 
@@ -127,6 +132,8 @@ impl<'m> LockRequest<'m> {
             reentrant: false,
             min_hold: None,
             fair: false,
+            cohort: true,
+            name_holder: true,
             record: true,
         }
     }
@@ -230,6 +237,22 @@ impl<'m> LockRequest<'m> {
         self
     }
 
+    /// Whether this lock may pass among this manager's own tasks without a server command
+    /// (default: yes). When a holder releases while another task of the same manager waits
+    /// for the same plain exclusive lock, the lock passes to that task as it is — the key in
+    /// Redis keeps its owner token and lease, and the new holder gets a guard of its own on
+    /// that server hold — up to the manager's [cohort bounds](crate::LockManagerBuilder::cohort),
+    /// then goes back to Redis so that other processes get their turn. Both the releasing and
+    /// the waiting request must allow it. `false`: every hand-over goes through the server.
+    ///
+    /// Only plain exclusive locks pass locally: fenced locks (each holder draws a new token
+    /// from the server), `min_hold`, fair locks, read-write locks and semaphores never do, and
+    /// neither does any lock on RedLock or with `sync_replicas`.
+    pub fn cohort(mut self, cohort: bool) -> Self {
+        self.cohort = cohort;
+        self
+    }
+
     /// Names this request in metrics and tracing (the `template` label), in place of
     /// `<manual>`. Give the shape of the key, such as `"order:{id}"`, never the key itself: one
     /// name per kind of lock keeps the number of series small. Annotated functions pass their
@@ -276,7 +299,12 @@ impl<'m> LockRequest<'m> {
         let result = match result {
             // Dropping it gives it back.
             Ok(guard) if guard.came_after_shutdown() => Err(LockError::ShutDown),
-            Err(error) => Err(Box::pin(name_holder(self.manager, error)).await),
+            Err(
+                busy @ LockError::Busy {
+                    holder_token: Some(_),
+                    ..
+                },
+            ) if self.name_holder => Err(Box::pin(name_holder(self.manager, busy)).await),
             result => result,
         };
         crate::metrics::acquire_ended(labels, timer, &result);
@@ -285,7 +313,9 @@ impl<'m> LockRequest<'m> {
 
     /// Makes exactly one attempt: `Ok(None)` when another owner holds the lock (of any kind).
     /// Other errors are those of [`acquire`](Self::acquire).
-    pub async fn try_acquire(self) -> Result<Option<LockGuard>, LockError> {
+    pub async fn try_acquire(mut self) -> Result<Option<LockGuard>, LockError> {
+        // Nobody sees the busy error: no holder to name.
+        self.name_holder = false;
         match self.retries(0).wait(Duration::ZERO).acquire().await {
             Ok(guard) => Ok(Some(guard)),
             Err(LockError::Busy { .. }) => Ok(None),
@@ -382,6 +412,7 @@ impl<'m> LockRequest<'m> {
             reentrant: self.reentrant,
             min_hold: self.min_hold,
             fair: self.fair,
+            cohort: self.cohort,
             metrics: crate::metrics::Labels::new(template, self.kind),
         })
     }
@@ -511,8 +542,6 @@ async fn name_holder(manager: &LockManager, error: LockError) -> LockError {
         } => {
             let holder = crate::identity::resolve(manager, &token)
                 .await
-                .ok()
-                .flatten()
                 .map(Box::new);
             if let Some(holder) = &holder {
                 tracing::debug!(%holder, holder_token = %token, "busy");
@@ -557,8 +586,8 @@ async fn wait(
         first.as_ref().is_some_and(|first| first.maybe_held),
     );
     // The holder the server named in this request's last busy answer, if it did.
-    let mut holder: Option<u128> = None;
-    let give_up = |attempts, failure: Option<redis::RedisError>, holder: Option<u128>| {
+    let mut holder: Option<[u64; 2]> = None;
+    let give_up = |attempts, failure: Option<redis::RedisError>, holder: Option<[u64; 2]>| {
         match failure {
             // The last word decides: a failure to reach Redis is not reported as "busy".
             Some(error) => LockError::redis(&plan.keys.name, error),
@@ -566,7 +595,7 @@ async fn wait(
                 key: plan.keys.name.clone(),
                 attempts,
                 waited: started.elapsed(),
-                holder_token: holder.map(|token| format!("{token:032x}")),
+                holder_token: holder.map(crate::backend::token_text),
                 holder: None,
             },
         }
@@ -603,7 +632,7 @@ async fn wait(
     let mut offer: Option<oneshot::Receiver<Handed>> = None;
     loop {
         if let (true, Some(waiting), None) = (hand_off, &ticket, &offer) {
-            offer = Some(waiting.offer(&request.token, plan.ttl));
+            offer = Some(waiting.offer(&request.token, plan.ttl, plan.cohort));
         }
         if let Some(ticket) = &ticket {
             // Every step of waiting for a turn, the wake channel included, ends by the deadline.
@@ -627,9 +656,12 @@ async fn wait(
                 () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
             };
             if let Some(handed) = handed {
-                // The hand-off gave this request's own token: it covers any grant an unanswered
-                // attempt may hold, which must not be released now.
-                in_flight.maybe_held = false;
+                // A hand-off through the server gave this request's own token: it covers any
+                // grant an unanswered attempt may hold, which must not be released now. A local
+                // pass gave another: the cover stays, for what such an attempt may hold.
+                if !handed.is_local() {
+                    in_flight.maybe_held = false;
+                }
                 drop(in_flight);
                 let taken = Taken {
                     attempts,
@@ -651,9 +683,12 @@ async fn wait(
         // Or this manager just had a run of hand-offs: other processes' turns come first.
         let sitting_out = ticket.as_ref().and_then(Ticket::sitting_out);
         let holder_ttl = if let Some(until) = sibling_holds {
+            // A task of this manager holds it now, whoever the server named before.
+            holder = None;
             // Its lease bounds the wait, as the holder's PTTL would.
             Some(until.saturating_duration_since(Instant::now()))
         } else if sitting_out.is_some() {
+            holder = None;
             None
         } else {
             // No offer stands while this waiter asks the server itself; one a release took
@@ -674,9 +709,12 @@ async fn wait(
                     () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
                 };
                 if let Some(handed) = handed {
-                    // The hand-off gave this request's own token: it covers any grant an unanswered
-                    // attempt may hold, which must not be released now.
-                    in_flight.maybe_held = false;
+                    // A hand-off through the server gave this request's own token: it covers any
+                    // grant an unanswered attempt may hold, which must not be released now. A local
+                    // pass gave another: the cover stays, for what such an attempt may hold.
+                    if !handed.is_local() {
+                        in_flight.maybe_held = false;
+                    }
                     drop(in_flight);
                     let taken = Taken {
                         attempts,
@@ -791,7 +829,7 @@ async fn wait(
         };
         // Ready for a hand-off again while this waits.
         if let (true, Some(waiting), None) = (hand_off, &ticket, &offer) {
-            offer = Some(waiting.offer(&request.token, plan.ttl));
+            offer = Some(waiting.offer(&request.token, plan.ttl, plan.cohort));
         }
         let handed = tokio::select! {
             handed = receive(&mut offer) => handed,
@@ -800,9 +838,12 @@ async fn wait(
             () = inner.holds.until_shut_down() => return Err(LockError::ShutDown),
         };
         if let Some(handed) = handed {
-            // The hand-off gave this request's own token: it covers any grant an unanswered
-            // attempt may hold, which must not be released now.
-            in_flight.maybe_held = false;
+            // A hand-off through the server gave this request's own token: it covers any
+            // grant an unanswered attempt may hold, which must not be released now. A local
+            // pass gave another: the cover stays, for what such an attempt may hold.
+            if !handed.is_local() {
+                in_flight.maybe_held = false;
+            }
             drop(in_flight);
             let taken = Taken {
                 attempts,
@@ -946,7 +987,7 @@ async fn fair(
         if let Some(deadline) = deadline {
             until = until.min(deadline);
         }
-        offer = Some(waiting.offer(&request.token, plan.ttl));
+        offer = Some(waiting.offer(&request.token, plan.ttl, false));
         tokio::select! {
             handed = receive(&mut offer) => if let Some(handed) = handed {
                 break handed;
@@ -1047,7 +1088,8 @@ struct Taken<'t> {
 }
 
 impl Taken<'_> {
-    /// The guard: its lease began when the hand-off was sent.
+    /// The guard: its lease began when the hand-off was sent; a local pass takes over the
+    /// server hold of the holder before, lease and all.
     fn grant(
         self,
         manager: &LockManager,
@@ -1055,9 +1097,13 @@ impl Taken<'_> {
         request: Arc<AcquireRequest>,
         kind: Kind,
     ) -> LockGuard {
-        let sent = self.handed.claim();
+        let (sent, local) = self.handed.claim();
+        let until = match &local {
+            Some(local) => local.lease.valid_until(),
+            None => saturating_add(sent, plan.ttl),
+        };
         if let Some(ticket) = self.ticket {
-            ticket.holding(saturating_add(sent, plan.ttl));
+            ticket.holding(until);
         }
         crate::metrics::handed_over(plan.metrics, true);
         let acquired = Acquired {
@@ -1065,10 +1111,61 @@ impl Taken<'_> {
             waited: self.started.elapsed(),
             sent,
         };
-        tracing::debug!(attempts = self.attempts, waited = ?acquired.waited, "handed over");
+        tracing::debug!(attempts = self.attempts, waited = ?acquired.waited, local = local.is_some(), "handed over");
         let request = Arc::unwrap_or_clone(request);
-        grant(manager, plan, request, kind, 0, acquired, self.record)
+        match local {
+            Some(local) => passed(manager, plan, local, kind, acquired, self.record),
+            None => grant(manager, plan, request, kind, 0, acquired, self.record),
+        }
     }
+}
+
+/// The guard of a lock passed locally: a hold of its own on the server hold it takes over
+/// (the owner token and lease of the holder before it).
+fn passed(
+    manager: &LockManager,
+    plan: Plan,
+    local: crate::guard::LocalPass,
+    kind: Kind,
+    acquired: Acquired,
+    recorded: bool,
+) -> LockGuard {
+    let inner = &manager.inner;
+    let LocalPass { ids, lease, passes } = local;
+    let renewal = plan.watchdog.then(|| {
+        let target = Target {
+            hold: ids.clone(),
+            metrics: plan.metrics,
+        };
+        inner
+            .watchdog
+            .register(inner, target, lease.clone(), acquired.sent, plan.max_hold)
+    });
+    let held = Arc::new(Held {
+        manager: Arc::as_ptr(inner) as usize,
+        reentrant: plan.reentrant,
+        kind,
+        ids,
+        fence: 0,
+        lease: lease.clone(),
+        guards: AtomicUsize::new(1),
+        keep_until: Mutex::new(None),
+        cohort: plan.cohort,
+        passes,
+    });
+    if recorded {
+        context::record(&held);
+    }
+    LockGuard::new(Parts {
+        manager: manager.clone(),
+        name: plan.keys.name,
+        fence: None,
+        lease,
+        acquired,
+        renewal,
+        held,
+        metrics: plan.metrics,
+    })
 }
 
 /// Builds the guard of a granted request: lease state, renewal, and its place in the
@@ -1103,6 +1200,8 @@ fn grant(
         lease: lease.clone(),
         guards: AtomicUsize::new(1),
         keep_until: Mutex::new(keep_until(acquired.sent, plan.min_hold)),
+        cohort: plan.cohort,
+        passes: 0,
     });
     if recorded {
         context::record(&held);

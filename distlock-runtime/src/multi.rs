@@ -538,6 +538,8 @@ fn grant(
                 lease: lease.clone(),
                 guards: AtomicUsize::new(1),
                 keep_until: Mutex::new(None),
+                cohort: false,
+                passes: 0,
             })
         })
         .collect();

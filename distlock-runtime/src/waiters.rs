@@ -57,6 +57,10 @@ struct Shared {
     shut: AtomicBool,
     /// Locks handed to a local waiter by a release.
     handoffs: AtomicU64,
+    /// Of those, the ones passed with no server command (a cohort's local passes).
+    passes: AtomicU64,
+    /// The bounds of a run of local passes (`passes` 0: none).
+    cohort: CohortBounds,
     /// Acquire attempts (of one key or a set) answered by the server.
     attempts: AtomicU64,
     /// What this manager's releases publish (see `ConnectOptions::tag`).
@@ -131,6 +135,31 @@ const CHAIN: u32 = 4;
 /// The longest run of local hand-offs; a tenth of the holder's lease when that is shorter.
 const SLICE: Duration = Duration::from_millis(50);
 
+/// The bounds of a cohort's run: local passes in a row, at most, and for how long (see
+/// [`LockManagerBuilder::cohort`](crate::LockManagerBuilder::cohort)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CohortBounds {
+    pub(crate) passes: u32,
+    pub(crate) time: Duration,
+}
+
+impl Default for CohortBounds {
+    fn default() -> Self {
+        Self {
+            passes: 64,
+            time: Duration::from_millis(10),
+        }
+    }
+}
+
+/// What a releasing holder may pass locally: its request allows cohorts, and what is left
+/// of its server lease.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Passable {
+    /// What is left of the server hold's lease, by the local clock.
+    pub(crate) remaining: Duration,
+}
+
 #[derive(Debug)]
 struct Entry {
     id: u64,
@@ -156,6 +185,8 @@ pub(crate) enum Grant {
 pub(crate) struct Offer {
     pub(crate) token: String,
     pub(crate) lease: Duration,
+    /// The waiter may take the lock by a local pass (its request allows cohorts).
+    pub(crate) cohort: bool,
     pub(crate) handed: tokio::sync::oneshot::Sender<crate::guard::Handed>,
 }
 
@@ -164,8 +195,11 @@ pub(crate) struct Offer {
 pub(crate) enum Next {
     /// Release to every process, and wake the local head if there is one.
     Release,
-    /// Hand the lock to this waiter.
+    /// Hand the lock to this waiter, through the server (its token, its lease).
     HandOff(Offer),
+    /// Pass the lock to this waiter with no server command: it takes over the releasing
+    /// holder's server hold (token and lease) as it is.
+    Pass(Offer),
     /// The run of hand-offs is over: release to every process alike, waking nobody here
     /// ahead of the others (the local waiters hear the publish like everyone else).
     Yield,
@@ -189,6 +223,7 @@ impl Waiters {
         connect_timeout: Duration,
         response_timeout: Duration,
         tag: Arc<str>,
+        cohort: CohortBounds,
     ) -> Self {
         Self {
             shared: Arc::new(Shared {
@@ -198,6 +233,8 @@ impl Waiters {
                 closed: AtomicU64::new(0),
                 shut: AtomicBool::new(false),
                 handoffs: AtomicU64::new(0),
+                passes: AtomicU64::new(0),
+                cohort,
                 attempts: AtomicU64::new(0),
                 tag,
                 connect_timeout,
@@ -234,6 +271,17 @@ impl Waiters {
     /// Counts a lock handed to a local waiter.
     pub(crate) fn handed_off(&self) {
         self.shared.handoffs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a lock passed to a local waiter with no server command (a hand-off too).
+    pub(crate) fn passed(&self) {
+        self.shared.passes.fetch_add(1, Ordering::Relaxed);
+        self.handed_off();
+    }
+
+    /// How many locks were passed locally so far.
+    pub(crate) fn passes(&self) -> u64 {
+        self.shared.passes.load(Ordering::Relaxed)
     }
 
     /// How many local waiters stand ready for a hand-off right now.
@@ -358,7 +406,7 @@ impl Waiters {
     /// Only an offer stands aside other processes, and only once its hand-off has landed: a
     /// head that cannot take a hand-off (another kind, a set, a fair or fenced request) or is
     /// asking the server itself leaves the release to everyone, with its wake-up.
-    pub(crate) fn next(&self, channel: &str, lease: Duration) -> Next {
+    pub(crate) fn next(&self, channel: &str, lease: Duration, passable: Option<Passable>) -> Next {
         let Some(key) = self.shared.lock_keys().get(channel).cloned() else {
             return Next::Release;
         };
@@ -375,8 +423,15 @@ impl Waiters {
             return Next::Release;
         };
         let now = Instant::now();
+        let bounds = self.shared.cohort;
+        // A cohort's run: local passes while both requests allow them, within its bounds.
+        let cohort = passable.filter(|_| offer.cohort && bounds.passes > 0);
+        let (most, longest) = match cohort {
+            Some(_) => (bounds.passes, bounds.time.min(lease / 10)),
+            None => (CHAIN, SLICE.min(lease / 10)),
+        };
         let (count, since) = queue.chain.get_or_insert((0, now));
-        if *count >= CHAIN || now.duration_since(*since) >= SLICE.min(lease / 10) {
+        if *count >= most || now.duration_since(*since) >= longest {
             queue.chain = None;
             // The offer goes back to its waiter, which hears the release like everyone else.
             if let Some(head) = queue.entries.iter_mut().find(|entry| entry.fair.is_none()) {
@@ -385,7 +440,18 @@ impl Waiters {
             return Next::Yield;
         }
         *count += 1;
-        Next::HandOff(offer)
+        // Passed as it is only while what is left of its lease lies between half and all of
+        // the lease the waiter asked for: a safe margin, and never longer than the waiter
+        // agreed the lock may outlive it. Otherwise the server hand-off gives the waiter a
+        // lease of its own.
+        match cohort {
+            Some(passable)
+                if passable.remaining >= offer.lease / 2 && passable.remaining <= offer.lease =>
+            {
+                Next::Pass(offer)
+            }
+            _ => Next::HandOff(offer),
+        }
     }
 
     /// A run of hand-offs ended with a release to everyone that `heard` subscribers heard.
@@ -674,11 +740,13 @@ impl Ticket {
         &self,
         token: &str,
         lease: Duration,
+        cohort: bool,
     ) -> tokio::sync::oneshot::Receiver<crate::guard::Handed> {
         let (handed, receiver) = tokio::sync::oneshot::channel();
         let offer = Offer {
             token: token.to_owned(),
             lease,
+            cohort,
             handed,
         };
         if let Some(entry) = self.key.lock_queue().entry(self.id) {

@@ -237,7 +237,7 @@ fn holders(holders: &[Holder]) -> String {
         .iter()
         .map(|h| format!("{} ({})", h.token, who(h)))
         .collect::<Vec<_>>()
-        .join(",")
+        .join("; ")
 }
 
 /// Who a holder is: its manager's client name, host, pid and how long that manager has been

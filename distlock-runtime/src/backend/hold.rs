@@ -15,10 +15,10 @@ pub(crate) enum Attempt {
     /// The caller holds the lock; `fence` is its fencing token (0 without fencing).
     Held { fence: u64 },
     /// Another owner holds it for about this much longer (`None`: no expiry was reported);
-    /// `holder` is that owner's token (as a number), when the server named it.
+    /// `holder` is that owner's token (as two numbers), when the server named it.
     Busy {
         holder_ttl: Option<Duration>,
-        holder: Option<u128>,
+        holder: Option<[u64; 2]>,
     },
     /// Granted, but fewer replicas than asked acknowledged it: already given back.
     Unreplicated { acked: u32, wanted: u32 },
@@ -213,7 +213,7 @@ impl AcquireCall<'_> {
                     let left: i64 = conn.query(redis::cmd("PTTL").arg(&req.lock)).await?;
                     Ok(Attempt::Busy {
                         holder_ttl: holder_ttl(left),
-                        holder: u128::from_str_radix(&holder, 16).ok(),
+                        holder: token_words(&holder),
                     })
                 }
                 Err(error) if error.code() == Some("WRONGTYPE") => {
@@ -235,6 +235,23 @@ impl AcquireCall<'_> {
             },
         }
     }
+}
+
+/// A token as two numbers, if `value` is one as distlock writes them: 32 lower-case hex
+/// digits (see [`token_text`]).
+pub(crate) fn token_words(value: &str) -> Option<[u64; 2]> {
+    let hex = |b: u8| b.is_ascii_digit() || (b'a'..=b'f').contains(&b);
+    if value.len() != 32 || !value.bytes().all(hex) {
+        return None;
+    }
+    let high = u64::from_str_radix(&value[..16], 16).ok()?;
+    let low = u64::from_str_radix(&value[16..], 16).ok()?;
+    Some([high, low])
+}
+
+/// The token [`token_words`] read.
+pub(crate) fn token_text([high, low]: [u64; 2]) -> String {
+    format!("{high:016x}{low:016x}")
 }
 
 /// How much longer the holder has, from a `PTTL` sent after the attempt found the lock held:
@@ -268,6 +285,20 @@ pub(super) fn attempt(held: i64, value: i64) -> Attempt {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tokens_read_back_as_written_and_nothing_else_reads_as_one() {
+        let token = "0123456789abcdef00000000000000ff";
+        assert_eq!(token_words(token).map(token_text).as_deref(), Some(token));
+        for value in [
+            "",
+            "+123456789abcdef00000000000000ff",
+            "0123456789ABCDEF00000000000000FF",
+            "abc",
+        ] {
+            assert_eq!(token_words(value), None, "{value:?}");
+        }
+    }
 
     #[test]
     fn a_holder_whose_key_is_gone_leaves_no_time_to_wait() {

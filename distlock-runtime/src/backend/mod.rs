@@ -23,6 +23,7 @@ mod sets;
 
 pub(crate) use hold::{
     AcquireRequest, Attempt, FAIR_REFRESH, FairQueue, FairRelease, HoldIds, Renewal, Shape,
+    token_text,
 };
 pub(crate) use node::{ConnectOptions, Node, denied};
 pub(crate) use sets::{SetAttempt, SetKey, SetRequest};

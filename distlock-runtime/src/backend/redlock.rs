@@ -88,7 +88,7 @@ impl RedLock {
         let mut held = 0;
         let mut fence = 0;
         let mut busy_for: Option<Duration> = None;
-        let mut holder: Option<u128> = None;
+        let mut holder: Option<[u64; 2]> = None;
         let mut error = None;
         let mut failed = 0;
         for answer in answers {
