@@ -397,7 +397,8 @@ impl LockGuard {
         };
         match inner.exec(release).await? {
             Ok(Some(heard)) => {
-                inner.waiters.yielded(&ids.wake, heard, lease);
+                let cohort = self.parts.held.cohort;
+                inner.waiters.yielded(&ids.wake, heard, lease, cohort);
                 Ok(())
             }
             Ok(None) => {

@@ -94,7 +94,6 @@ impl std::fmt::Debug for Sink {
 pub(crate) struct KeyState {
     channel: String,
     queue: Mutex<Queue>,
-    head_changed: Notify,
     wake: Notify,
     /// Counts wake-ups (releases seen), so a waiter can tell whether one came since it looked.
     wakes: AtomicU64,
@@ -163,6 +162,9 @@ pub(crate) struct Passable {
 #[derive(Debug)]
 struct Entry {
     id: u64,
+    /// Told when this entry becomes the head (only it: a thousand waiters are not all woken
+    /// each time the head leaves).
+    turn: Arc<Notify>,
     offer: Option<Offer>,
     /// A fair waiter: its owner token, and the signal a grant to it sets.
     fair: Option<(String, Arc<Notify>)>,
@@ -210,6 +212,8 @@ pub(crate) enum Next {
 pub(crate) struct Ticket {
     key: Arc<KeyState>,
     id: u64,
+    /// Told when this ticket becomes the head of its queue.
+    turn: Arc<Notify>,
     /// A fair waiter's own signal (see [`Waiters::join_fair`]).
     signal: Option<Arc<Notify>>,
     shared: Weak<Shared>,
@@ -370,7 +374,6 @@ impl Waiters {
                 Arc::new(KeyState {
                     channel: channel.to_owned(),
                     queue: Mutex::default(),
-                    head_changed: Notify::new(),
                     wake: Notify::new(),
                     wakes: AtomicU64::new(0),
                     subscribed_in: AtomicU64::new(0),
@@ -378,12 +381,14 @@ impl Waiters {
                 })
             })
             .clone();
+        let turn = Arc::new(Notify::new());
         let id = {
             let mut queue = key.lock_queue();
             let id = queue.next_id;
             queue.next_id += 1;
             queue.entries.push_back(Entry {
                 id,
+                turn: turn.clone(),
                 offer: None,
                 fair,
             });
@@ -392,6 +397,7 @@ impl Waiters {
         Ticket {
             key,
             id,
+            turn,
             signal,
             shared: Arc::downgrade(&self.shared),
             driver_backend: Some((backend.clone(), driver.clone())),
@@ -458,7 +464,8 @@ impl Waiters {
     /// Other managers waiting for the key get their turns first: the local head lets one
     /// release by each of them pass (or a while, if they go quiet) before it competes again.
     /// With nobody else listening, the local head is woken at once.
-    pub(crate) fn yielded(&self, channel: &str, heard: u64, lease: Duration) {
+    /// `cohort`: the run was one of local passes, whose slices are the cohort's time bound.
+    pub(crate) fn yielded(&self, channel: &str, heard: u64, lease: Duration, cohort: bool) {
         let Some(key) = self.shared.lock_keys().get(channel).cloned() else {
             return;
         };
@@ -467,7 +474,12 @@ impl Waiters {
         if others == 0 {
             return self.released(channel);
         }
-        let slice = SLICE.min(lease / 10);
+        let bounds = self.shared.cohort;
+        let slice = match cohort && bounds.passes > 0 {
+            true => bounds.time,
+            false => SLICE,
+        }
+        .min(lease / 10);
         let until = Instant::now() + slice * 2 * u32::try_from(others).unwrap_or(u32::MAX);
         key.lock_queue().sitting_out = Some(SittingOut {
             others: usize::try_from(others).unwrap_or(usize::MAX),
@@ -725,11 +737,11 @@ impl Ticket {
     /// Waits until this ticket is at the head of its queue.
     pub(crate) async fn until_head(&self) {
         loop {
-            let changed = self.key.head_changed.notified();
+            let turn = self.turn.notified();
             if self.key.lock_queue().head() == Some(self.id) {
                 return;
             }
-            changed.await;
+            turn.await;
         }
     }
 
@@ -853,16 +865,17 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        let was_head;
         let empty;
         {
             let mut queue = self.key.lock_queue();
-            was_head = queue.head() == Some(self.id);
+            let was_head = queue.head() == Some(self.id);
             queue.entries.retain(|entry| entry.id != self.id);
             empty = queue.entries.is_empty();
-        }
-        if was_head {
-            self.key.head_changed.notify_waiters();
+            if was_head && let Some(next) = queue.entries.iter().find(|entry| entry.fair.is_none())
+            {
+                // Kept as a permit if the next is not waiting for it yet.
+                next.turn.notify_one();
+            }
         }
         if !empty {
             return;
