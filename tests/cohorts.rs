@@ -211,6 +211,45 @@ async fn a_lease_lost_during_a_run_is_lost_for_the_holder_it_reached() {
 }
 
 #[tokio::test]
+async fn a_passed_lock_is_renewed_by_its_new_holders_watchdog() {
+    let server = shared_server();
+    let prefix = unique_prefix("renewed-run");
+    let locks = manager(&server, &prefix).await;
+    let lease = Duration::from_millis(300);
+    let first = locks.lock("k").ttl(lease).acquire().await.unwrap();
+    let waiting = {
+        let locks = locks.clone();
+        tokio::spawn(async move {
+            locks
+                .lock("k")
+                .ttl(lease)
+                .watchdog(true)
+                .retry_delay(Duration::from_secs(3600))
+                .wait(Duration::from_secs(30))
+                .acquire()
+                .await
+                .unwrap()
+        })
+    };
+    ready(&locks).await;
+    first.release().await.unwrap();
+    let second = waiting.await.unwrap();
+    assert_eq!(second.local_passes(), 1);
+    // Three leases long: only renewals keep it, at the lease the holder asked for.
+    tokio::time::sleep(lease * 3).await;
+    assert!(!second.is_lost());
+    assert!(second.is_held().await.unwrap());
+    let mut conn = raw(&server).await;
+    let pttl: u64 = conn.pttl(format!("{prefix}{{k}}")).await.unwrap();
+    assert!(
+        pttl <= 300,
+        "renewed to {pttl} ms, more than the 300 ms asked for"
+    );
+    second.release().await.unwrap();
+    assert!(keys(&server, &prefix).is_empty());
+}
+
+#[tokio::test]
 async fn a_waiter_that_asked_for_a_shorter_lease_gets_its_own_through_the_server() {
     let server = shared_server();
     let prefix = unique_prefix("short-lease");

@@ -245,9 +245,12 @@ impl<'m> LockRequest<'m> {
     /// then goes back to Redis so that other processes get their turn. Both the releasing and
     /// the waiting request must allow it. `false`: every hand-over goes through the server.
     ///
-    /// Only plain exclusive locks pass locally: fenced locks (each holder draws a new token
-    /// from the server), `min_hold`, fair locks, read-write locks and semaphores never do, and
-    /// neither does any lock on RedLock or with `sync_replicas`.
+    /// Only plain exclusive locks pass locally, and only to a waiter that asked for the same
+    /// `ttl` as the holder, while at least half of the lease is left (otherwise the lock goes
+    /// through the server, which gives the waiter a lease of its own). Fenced locks (each
+    /// holder draws a new token from the server), `min_hold`, fair locks, read-write locks and
+    /// semaphores never pass locally, and neither does any lock on RedLock or with
+    /// `sync_replicas`.
     pub fn cohort(mut self, cohort: bool) -> Self {
         self.cohort = cohort;
         self
@@ -1137,9 +1140,16 @@ fn passed(
             hold: ids.clone(),
             metrics: plan.metrics,
         };
+        // Renewals follow the shared lease from when it was last set (the first one may be
+        // due at once), not from the pass.
+        let set = lease
+            .valid_until()
+            .checked_sub(lease.ttl())
+            .unwrap_or(acquired.sent)
+            .min(acquired.sent);
         inner
             .watchdog
-            .register(inner, target, lease.clone(), acquired.sent, plan.max_hold)
+            .register(inner, target, lease.clone(), set, plan.max_hold)
     });
     let held = Arc::new(Held {
         manager: Arc::as_ptr(inner) as usize,

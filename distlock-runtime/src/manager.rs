@@ -92,8 +92,9 @@ pub struct Stats {
     pub waiting_keys: usize,
     /// Leases the watchdog renews right now (0 once every watched guard is gone).
     pub watched_leases: usize,
-    /// Locks this manager's releases handed straight to one of its own waiting tasks, in
-    /// the release's round trip (see [`LockGuard::release`](crate::LockGuard::release)).
+    /// Locks this manager's releases handed straight to one of its own waiting tasks: in the
+    /// release's round trip (see [`LockGuard::release`](crate::LockGuard::release)), or with
+    /// no round trip at all by a local pass (counted in `local_passes` too).
     pub local_handoffs: u64,
     /// Waiting tasks ready to take such a hand-off right now (at most one per key: the head
     /// of its local queue, between its attempts).
@@ -578,7 +579,9 @@ impl LockManagerBuilder {
     /// then the release goes to Redis and the other processes waiting for the key get their
     /// turn before this manager's tasks compete again. Default: 64 passes, 10 ms. `passes`
     /// 0 turns local passes off for every lock of this manager.
+    /// A `time` of zero turns them off too.
     pub fn cohort(mut self, passes: u32, time: Duration) -> Self {
+        let passes = if time.is_zero() { 0 } else { passes };
         self.cohort = crate::waiters::CohortBounds { passes, time };
         self
     }

@@ -430,11 +430,19 @@ impl Waiters {
         };
         let now = Instant::now();
         let bounds = self.shared.cohort;
-        // A cohort's run: local passes while both requests allow them, within its bounds.
-        let cohort = passable.filter(|_| offer.cohort && bounds.passes > 0);
-        let (most, longest) = match cohort {
-            Some(_) => (bounds.passes, bounds.time.min(lease / 10)),
-            None => (CHAIN, SLICE.min(lease / 10)),
+        // Passed as it is only to a waiter that asked for the very lease the hold has (so the
+        // watchdog renews it to what the waiter asked, and it never outlives what the waiter
+        // agreed to), while at least half of it is left; otherwise the server hand-off gives
+        // the waiter a lease of its own. A run is bounded by what its hand-offs are.
+        let pass = passable.is_some_and(|passable| {
+            offer.cohort
+                && bounds.passes > 0
+                && offer.lease == lease
+                && passable.remaining >= lease / 2
+        });
+        let (most, longest) = match pass {
+            true => (bounds.passes, bounds.time.min(lease / 10)),
+            false => (CHAIN, SLICE.min(lease / 10)),
         };
         let (count, since) = queue.chain.get_or_insert((0, now));
         if *count >= most || now.duration_since(*since) >= longest {
@@ -446,17 +454,9 @@ impl Waiters {
             return Next::Yield;
         }
         *count += 1;
-        // Passed as it is only while what is left of its lease lies between half and all of
-        // the lease the waiter asked for: a safe margin, and never longer than the waiter
-        // agreed the lock may outlive it. Otherwise the server hand-off gives the waiter a
-        // lease of its own.
-        match cohort {
-            Some(passable)
-                if passable.remaining >= offer.lease / 2 && passable.remaining <= offer.lease =>
-            {
-                Next::Pass(offer)
-            }
-            _ => Next::HandOff(offer),
+        match pass {
+            true => Next::Pass(offer),
+            false => Next::HandOff(offer),
         }
     }
 

@@ -280,6 +280,11 @@ async fn renew(shared: &Shared, inner: &Inner, due: Vec<Due>) {
                         lease.state.mark_lost();
                         shared.counters.lost.fetch_add(1, Ordering::Release);
                         crate::metrics::renewal(lease.metrics, crate::metrics::Renewal::Lost);
+                    } else if !renewed {
+                        // Released while this renewal was in flight, but the key was gone or
+                        // another owner's already: a holder the lease was passed on to must
+                        // know.
+                        lease.state.mark_lost();
                     }
                 }
             }

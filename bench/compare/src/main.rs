@@ -15,7 +15,7 @@ use distlock::testing::RedisServer;
 #[path = "../../harness.rs"]
 mod harness;
 
-use harness::{Annotated, Commands, Contend, Contended, Manual, Pair, Raw, TTL};
+use harness::{Annotated, Commands, Contend, Contended, Manual, Pair, Raw, Server, TTL};
 
 /// rslock's `LockManager`: `lock(resource, ttl)` (three tries, up to 200 ms apart, its
 /// defaults), then `unlock(&lock)`.
@@ -202,13 +202,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let mut ratios = Vec::new();
     for tasks in [16, 64] {
-        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        let (mut ours, mut server_path, mut theirs) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..reps {
             ours.push(harness::contended(&server, &[Manual(manager().await?)], tasks, run).await);
+            let path = [Server(manager().await?)];
+            server_path.push(harness::contended(&server, &path, tasks, run).await);
             let rslock = Rslock(rslock::LockManager::new(vec![url.clone()]));
             theirs.push(harness::contended(&server, &[rslock], tasks, run).await);
         }
-        for (name, rows) in [("distlock", &ours), ("rslock", &theirs)] {
+        for (name, rows) in [
+            ("distlock", &ours),
+            ("no cohort", &server_path),
+            ("rslock", &theirs),
+        ] {
             let med = |f: &dyn Fn(&Contended) -> f64| harness::median(rows.iter().map(f).collect());
             let ms = |f: fn(&Contended) -> Duration| {
                 Duration::from_secs_f64(med(&|c| f(c).as_secs_f64()))
@@ -223,14 +229,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 med(&Contended::commands_per_entry),
             );
         }
-        let per_rep = ours.iter().zip(&theirs);
-        ratios.push((
-            tasks,
-            harness::median(per_rep.map(|(o, t)| o.per_sec / t.per_sec).collect()),
-        ));
+        let ratio = |a: &[Contended], b: &[Contended]| {
+            harness::median(a.iter().zip(b).map(|(o, t)| o.per_sec / t.per_sec).collect())
+        };
+        ratios.push((tasks, ratio(&ours, &theirs), ratio(&ours, &server_path)));
     }
-    for (tasks, ratio) in ratios {
-        println!("{tasks:>6} tasks: distlock / rslock critical sections per second {ratio:.2}x");
+    for (tasks, rslock, server_path) in ratios {
+        println!(
+            "{tasks:>6} tasks: distlock / rslock critical sections per second {rslock:.2}x; \
+             distlock / distlock without cohorts {server_path:.2}x"
+        );
     }
     Ok(())
 }
