@@ -64,6 +64,9 @@ const OVERSTAY_FAULTS: Duration = Duration::from_secs(4);
 /// Without faults, how long a plain lock may stay owned by a token that no holder in the
 /// history has (a release on its way; a fair grant to a waiter that left, 2 s at most).
 const ORPHANED: Duration = Duration::from_secs(3);
+/// How long after its hold was taken away a cohort's run may still pass it on: its bounds
+/// (10 ms by default), with a loaded machine's slack.
+const RUN_AFTER_STEAL: Duration = Duration::from_secs(1);
 /// How often the monitor samples each key.
 const SAMPLE: Duration = Duration::from_millis(15);
 
@@ -148,6 +151,8 @@ struct State {
     elections: u64,
     /// Entries by a cohort's local pass (no server command).
     local_passes: u64,
+    /// Holds taken away from their holders, by token: when.
+    robbed: HashMap<String, Instant>,
     /// Each election's terms, and when their leaders left.
     terms: HashMap<String, Vec<(u64, Option<Instant>)>>,
 }
@@ -239,6 +244,27 @@ impl History {
         let id = state.next_id;
         state.next_id += 1;
         state.last_entry.insert(key.to_owned(), now);
+        // A local pass continues the server hold it was given, and sends nothing: a hold
+        // taken away goes on being passed until its run ends (at its bounds, with a release
+        // to Redis that finds it gone and marks the lease lost). Those holders are the robbed
+        // hold, out of the history like its first holder; the run must end in time.
+        if guard.local_passes() > 0
+            && let Some(&stolen) = state.robbed.get(&owner)
+        {
+            state.excused += 1;
+            drop(state);
+            if now.duration_since(stolen) > RUN_AFTER_STEAL {
+                self.violation(format!(
+                    "cohort: {who} entered {key} by a local pass of a hold taken away {:?} before",
+                    now.duration_since(stolen)
+                ));
+            }
+            return Entry {
+                history: self.clone(),
+                key: key.to_owned(),
+                id,
+            };
+        }
         let cap = state.lease_caps.entry(owner.clone()).or_default();
         *cap = (*cap).max(guard.ttl());
         state
@@ -581,6 +607,9 @@ impl World {
     async fn check_lease(&self, locks: &LockManager, key: &str, kind: Kind, guard: &LockGuard) {
         if !self.check_leases {
             return;
+        }
+        if guard.local_passes() > 0 && self.history.lock().robbed.contains_key(guard.token()) {
+            return; // a robbed hold, passed on (see `History::enter`)
         }
         let lease_key = kind.lease_key(locks, key, guard.token());
         let started = Instant::now();
@@ -1105,6 +1134,9 @@ async fn robbed(
     {
         let mut state = world.history.lock();
         state.steals += 1;
+        state
+            .robbed
+            .insert(guard.token().to_owned(), Instant::now());
         let event = format!("{:?} {who} robbed of {} ({how})", Instant::now(), plan.key);
         push_recent(&mut state, event);
     }
@@ -1144,8 +1176,12 @@ async fn robbed(
     match rng.u8(..3) {
         0 => drop(guard),
         _ => {
+            // A release that passes the (robbed) hold to a task of the same manager sends
+            // nothing and succeeds: the run learns of the loss when it ends.
+            let passes = locks.stats().local_passes;
             if let Some(Ok(())) = world.bounded("release", guard.release()).await
                 && !faults
+                && locks.stats().local_passes == passes
             {
                 world.history.violation(format!(
                     "steal: {who}'s release of {} succeeded after the lock was taken away",
