@@ -13,7 +13,7 @@ use distlock::{LockError, LockManager, distributed_lock, metrics as names};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::{CompositeKey, MetricKind};
 
-use support::{manager, shared_server, unique_prefix};
+use support::{keys, manager, shared_server, unique_prefix};
 
 /// Every key these tests lock contains this, so the labels can be searched for it.
 const MARK: &str = "FULLKEY";
@@ -342,4 +342,39 @@ async fn labels_carry_the_template_and_never_the_key() {
             );
         }
     }
+}
+
+#[tokio::test]
+async fn a_sets_nested_holds_carry_its_label() {
+    snapshotter();
+    let server = shared_server();
+    let prefix = unique_prefix("m-set");
+    let locks = manager(&server, &prefix).await;
+    let labels = [
+        ("template", "transfer:{from}:{to}"),
+        ("kind", "exclusive"),
+        ("outcome", "acquired"),
+    ];
+    distlock::scope(async {
+        let outer = locks
+            .lock(format!("acct:{MARK}-1"))
+            .label("account:{id}")
+            .reentrant(true)
+            .acquire()
+            .await
+            .unwrap();
+        // One key of the set is already this task's: a nested hold, under the set's label.
+        let set = locks
+            .lock_all([format!("acct:{MARK}-1"), format!("acct:{MARK}-2")])
+            .label("transfer:{from}:{to}")
+            .reentrant(true)
+            .acquire()
+            .await
+            .unwrap();
+        assert_eq!(counter(names::ACQUIRES, &labels), 1);
+        set.release().await.unwrap();
+        outer.release().await.unwrap();
+    })
+    .await;
+    assert!(keys(&server, &prefix).is_empty());
 }

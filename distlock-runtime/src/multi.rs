@@ -149,14 +149,16 @@ impl<'m> MultiLockRequest<'m> {
         self
     }
 
-    /// The base delay between attempts; it doubles per attempt (up to 32×) with full jitter.
+    /// The base delay between attempts; it doubles per attempt (up to 32×, and at most
+    /// [`MAX_TTL`]) with full jitter.
     pub fn retry_delay(mut self, delay: Duration) -> Self {
         self.retry_delay = Some(delay);
         self
     }
 
     /// An upper bound on the total time spent trying. Without `retries`, the request keeps
-    /// trying until this much time has passed; with both, whichever ends first.
+    /// trying until this much time has passed; with both, whichever ends first. A wait longer
+    /// than [`MAX_TTL`] (such as `Duration::MAX`) sets no time bound.
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = Some(wait);
         self
@@ -189,6 +191,14 @@ impl<'m> MultiLockRequest<'m> {
     pub fn reentrant(mut self, reentrant: bool) -> Self {
         self.reentrant = reentrant;
         self
+    }
+
+    /// Names this request in metrics and tracing (the `template` label), in place of
+    /// `<manual>`, as [`LockRequest::label`](crate::LockRequest::label) does: the shape of
+    /// the keys, such as `"transfer:{from}:{to}"`, never the keys themselves. Keys of the set
+    /// that are nested holds of this task's own locks carry it too.
+    pub fn label(self, label: &'static str) -> Self {
+        self.template(label)
     }
 
     #[doc(hidden)]
@@ -305,6 +315,7 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Mult
     for keys in outer {
         let mut request = manager
             .lock(keys.name.clone())
+            .template(plan.template)
             .ttl(plan.ttl)
             .reentrant(plan.reentrant)
             .fencing(plan.fencing)
