@@ -54,6 +54,7 @@
 mod acl;
 mod backend;
 mod context;
+mod decide;
 mod driver;
 mod election;
 mod env;

@@ -11,6 +11,7 @@ use tracing::Instrument;
 use crate::LockError;
 use crate::backend::{AcquireRequest, Attempt, Shape};
 use crate::context::{self, Held, Kind};
+use crate::decide::{self, Step};
 use crate::guard::{Acquired, Handed, LocalPass, LockGuard, Parts, keep_until};
 use crate::key::Keys;
 use crate::lease::{LeaseState, saturating_add};
@@ -583,6 +584,11 @@ async fn wait(
 ) -> Result<LockGuard, LockError> {
     let inner = &manager.inner;
     let deadline = plan.wait.map(|wait| started + wait);
+    let bounds = decide::Bounds {
+        retries: plan.retries,
+        deadline,
+    };
+    let now = Instant::now;
     let mut in_flight = InFlight::new(
         manager,
         &request,
@@ -735,6 +741,7 @@ async fn wait(
                 None => send_attempt(manager, &plan, &request, &mut in_flight).await?,
             };
             in_flight.answered(outcome.as_ref().ok());
+            let answer = decide::Answer::of(&outcome, is_transient);
             let holder_ttl = match outcome {
                 Ok(Attempt::Held { fence }) => {
                     in_flight.maybe_held = false;
@@ -794,11 +801,12 @@ async fn wait(
             if let Some(ticket) = &ticket {
                 ticket.heard(failure.clone());
             }
-            let now = Instant::now();
-            if attempts > plan.retries || deadline.is_some_and(|d| d <= now) {
+            let queue = (ticket.is_some(), queues);
+            let step = decide::after(answer, bounds, &plan.backoff, attempts, queue, None, now());
+            if step == Step::GiveUp {
                 return Err(give_up(attempts, failure, holder));
             }
-            if ticket.is_none() && queues {
+            if step == Step::Queue {
                 // First time busy: queue up and follow the wake channel, then look again at once
                 // (a release between the busy answer and the subscription publishes unheard).
                 let joined = join();
@@ -814,16 +822,19 @@ async fn wait(
             }
             holder_ttl
         };
-        let now = Instant::now();
-        if deadline.is_some_and(|d| d <= now) {
-            return Err(give_up(attempts, last_word(&ticket, &failure), holder));
-        }
         // Wait for a release, or for the fallback timer (backoff with full jitter, capped by
         // the holder's lease) that catches an expiry or a missed announcement.
-        let mut until = now + plan.backoff.delay(attempts, holder_ttl);
-        for bound in [deadline, sitting_out].into_iter().flatten() {
-            until = until.min(bound);
-        }
+        let step = decide::sleep(
+            bounds,
+            &plan.backoff,
+            attempts,
+            holder_ttl,
+            sitting_out,
+            now(),
+        );
+        let Step::Sleep { until } = step else {
+            return Err(give_up(attempts, last_word(&ticket, &failure), holder));
+        };
         let woken = async {
             match &ticket {
                 Some(waiting) => waiting.woken_since(seen.unwrap_or_default()).await,

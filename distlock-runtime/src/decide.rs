@@ -1,0 +1,256 @@
+//! The acquire loop's decisions, as pure functions of what the server answered, the
+//! request's bounds, the attempts so far and the time: what the loop does next. The loop
+//! (`lock::wait`) carries them out; these are tested here without a server.
+
+use std::time::{Duration, Instant};
+
+use crate::backend::Attempt;
+use crate::retry::Backoff;
+
+/// An attempt's answer, as far as the decision goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Answer {
+    /// The server granted the lock.
+    Granted,
+    /// Another owner holds it, for about this much longer if the server said.
+    Busy { holder_ttl: Option<Duration> },
+    /// An answer that waiting cannot change (a semaphore's count disagrees; too few replicas
+    /// acknowledged a grant that was given back).
+    Refused,
+    /// No answer, or one that says "not now" (a failover, a timeout): the next attempt may
+    /// succeed.
+    Transient,
+    /// An error no retry can fix.
+    Fatal,
+}
+
+impl Answer {
+    /// What `outcome` says; `transient` tells which errors may pass.
+    pub(crate) fn of(
+        outcome: &redis::RedisResult<Attempt>,
+        transient: impl Fn(&redis::RedisError) -> bool,
+    ) -> Self {
+        match outcome {
+            Ok(Attempt::Held { .. }) => Self::Granted,
+            Ok(Attempt::Busy { holder_ttl, .. }) => Self::Busy {
+                holder_ttl: *holder_ttl,
+            },
+            Ok(Attempt::PermitsMismatch { .. } | Attempt::Unreplicated { .. }) => Self::Refused,
+            Err(error) if transient(error) => Self::Transient,
+            Err(_) => Self::Fatal,
+        }
+    }
+}
+
+/// The bounds a request waits within.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Bounds {
+    /// Attempts after the first.
+    pub(crate) retries: u32,
+    /// When its `wait` runs out, if it has one.
+    pub(crate) deadline: Option<Instant>,
+}
+
+impl Bounds {
+    fn spent(&self, attempts: u32, now: Instant) -> bool {
+        attempts > self.retries || self.deadline.is_some_and(|deadline| deadline <= now)
+    }
+}
+
+/// What the loop does after an answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Take the lock: build the guard.
+    Grant,
+    /// Fail at once with the answer's own error.
+    Refuse,
+    /// The bounds are spent: give up (busy, unless the last word was a failure).
+    GiveUp,
+    /// Join the local queue behind this manager's other waiters, and ask again at once (a
+    /// release between the answer and the subscription would publish unheard).
+    Queue,
+    /// Wait for a wake-up, a hand-off, or this fallback timer, then ask again.
+    Sleep { until: Instant },
+}
+
+/// The next step after `answer`, the `attempts`-th answer: `queued` if the request is in its
+/// manager's queue already, `queues` if it may join one (it may wait). `sitting_out`: until
+/// when the local head lets other processes have their turns, if it does.
+pub(crate) fn after(
+    answer: Answer,
+    bounds: Bounds,
+    backoff: &Backoff,
+    attempts: u32,
+    queue: (bool, bool),
+    sitting_out: Option<Instant>,
+    now: Instant,
+) -> Step {
+    let (queued, queues) = queue;
+    let holder_ttl = match answer {
+        Answer::Granted => return Step::Grant,
+        Answer::Refused | Answer::Fatal => return Step::Refuse,
+        Answer::Busy { holder_ttl } => holder_ttl,
+        Answer::Transient => None,
+    };
+    if bounds.spent(attempts, now) {
+        return Step::GiveUp;
+    }
+    if !queued && queues {
+        return Step::Queue;
+    }
+    sleep(bounds, backoff, attempts, holder_ttl, sitting_out, now)
+}
+
+/// Until when to wait before asking again: the backoff with full jitter, capped by the
+/// holder's lease (an expiry is announced by nobody), by the request's deadline and by the
+/// end of a sit-out. `GiveUp` when the deadline has passed.
+pub(crate) fn sleep(
+    bounds: Bounds,
+    backoff: &Backoff,
+    attempts: u32,
+    holder_ttl: Option<Duration>,
+    sitting_out: Option<Instant>,
+    now: Instant,
+) -> Step {
+    if bounds.deadline.is_some_and(|deadline| deadline <= now) {
+        return Step::GiveUp;
+    }
+    let mut until = now + backoff.delay(attempts, holder_ttl);
+    for bound in [bounds.deadline, sitting_out].into_iter().flatten() {
+        until = until.min(bound);
+    }
+    Step::Sleep { until }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BUSY: Answer = Answer::Busy { holder_ttl: None };
+
+    fn bounds(retries: u32, wait: Option<Duration>, now: Instant) -> Bounds {
+        Bounds {
+            retries,
+            deadline: wait.map(|wait| now + wait),
+        }
+    }
+
+    fn backoff() -> Backoff {
+        Backoff::new(Duration::from_millis(50))
+    }
+
+    #[test]
+    fn a_grant_is_taken_whatever_the_bounds() {
+        let now = Instant::now();
+        let spent = bounds(0, Some(Duration::ZERO), now);
+        let step = after(
+            Answer::Granted,
+            spent,
+            &backoff(),
+            9,
+            (true, true),
+            None,
+            now,
+        );
+        assert_eq!(step, Step::Grant);
+    }
+
+    #[test]
+    fn refusals_and_fatal_errors_end_the_request_at_once() {
+        let now = Instant::now();
+        let roomy = bounds(100, None, now);
+        for answer in [Answer::Refused, Answer::Fatal] {
+            let step = after(answer, roomy, &backoff(), 1, (false, true), None, now);
+            assert_eq!(step, Step::Refuse, "{answer:?}");
+        }
+    }
+
+    #[test]
+    fn spent_bounds_give_up_busy_or_failing() {
+        let now = Instant::now();
+        // Retries spent: the first attempt of a request without retries.
+        for answer in [BUSY, Answer::Transient] {
+            let step = after(
+                answer,
+                bounds(0, None, now),
+                &backoff(),
+                1,
+                (false, false),
+                None,
+                now,
+            );
+            assert_eq!(step, Step::GiveUp, "{answer:?}");
+        }
+        // Time spent, retries left.
+        let late = bounds(100, Some(Duration::ZERO), now);
+        assert_eq!(
+            after(BUSY, late, &backoff(), 3, (true, true), None, now),
+            Step::GiveUp
+        );
+        // A deadline passed while the loop was not asking.
+        assert_eq!(sleep(late, &backoff(), 3, None, None, now), Step::GiveUp);
+    }
+
+    #[test]
+    fn the_first_busy_answer_queues_and_later_ones_sleep() {
+        let now = Instant::now();
+        let roomy = bounds(100, None, now);
+        assert_eq!(
+            after(BUSY, roomy, &backoff(), 1, (false, true), None, now),
+            Step::Queue
+        );
+        assert!(matches!(
+            after(BUSY, roomy, &backoff(), 2, (true, true), None, now),
+            Step::Sleep { .. }
+        ));
+        // A request that may not queue (no retries) never does.
+        let once = bounds(0, None, now);
+        assert_eq!(
+            after(BUSY, once, &backoff(), 1, (false, false), None, now),
+            Step::GiveUp
+        );
+    }
+
+    #[test]
+    fn a_transient_failure_retries_like_a_busy_answer() {
+        let now = Instant::now();
+        let roomy = bounds(100, None, now);
+        let step = after(
+            Answer::Transient,
+            roomy,
+            &backoff(),
+            2,
+            (true, true),
+            None,
+            now,
+        );
+        assert!(matches!(step, Step::Sleep { .. }));
+    }
+
+    #[test]
+    fn the_timer_is_bounded_by_the_holder_the_deadline_and_a_sit_out() {
+        let now = Instant::now();
+        let long = Backoff::new(Duration::from_secs(3600));
+        let roomy = bounds(100, None, now);
+        let until = |step| match step {
+            Step::Sleep { until } => until,
+            other => panic!("expected a sleep, got {other:?}"),
+        };
+        // The holder's lease ends in 30 ms: nobody announces an expiry.
+        let holder = Some(Duration::from_millis(30));
+        let by_holder = until(sleep(roomy, &long, 5, holder, None, now));
+        assert!(by_holder <= now + Duration::from_millis(31));
+        // The deadline comes first.
+        let soon = bounds(100, Some(Duration::from_millis(10)), now);
+        assert!(until(sleep(soon, &long, 5, None, None, now)) <= now + Duration::from_millis(10));
+        // A sit-out ends first.
+        let sit = Some(now + Duration::from_millis(5));
+        assert_eq!(
+            until(sleep(roomy, &long, 5, None, sit, now)),
+            now + Duration::from_millis(5)
+        );
+        // Otherwise the backoff, within its ceiling.
+        let free = until(sleep(roomy, &backoff(), 1, None, None, now));
+        assert!(free <= now + backoff().ceiling());
+    }
+}
