@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use distlock::testing::RedisServer;
-use distlock::{LeaderChange, LockError, LockManager, Observer};
+use distlock::{LeaderChange, LockError, LockManager, Observer, distributed_lock};
 use support::{shared_server, unique_prefix};
 
 /// How long a change may take to show on a loaded machine, where nothing waits for a lease.
@@ -459,6 +459,33 @@ async fn busy_names_the_holder() {
     held.release().await.unwrap();
 }
 
+#[distributed_lock(key = "report:{id}", manager = locks)]
+async fn report(locks: &LockManager, id: u32) -> Result<(), LockError> {
+    let _ = id;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_annotated_function_that_finds_the_lock_busy_names_the_holder() {
+    let server = shared_server();
+    let prefix = unique_prefix("busy-macro");
+    let (a, b) = (
+        named(&server, &prefix, "reports-worker").await,
+        named(&server, &prefix, "reports-api").await,
+    );
+    let held = a.lock("report:7").ttl(LONG).acquire().await.unwrap();
+    let error = report(&b, 7).await.unwrap_err();
+    let LockError::Busy { holder, .. } = &error else {
+        panic!("expected busy, got {error:?}");
+    };
+    assert_eq!(holder.as_ref().unwrap().client_name, "reports-worker");
+    assert!(
+        error.to_string().contains("held by reports-worker on"),
+        "{error}"
+    );
+    held.release().await.unwrap();
+}
+
 #[tokio::test]
 async fn the_inspector_and_client_list_show_who_holds_what() {
     let server = shared_server();
@@ -519,4 +546,40 @@ async fn a_bad_client_name_is_a_config_error() {
     .await
     .unwrap();
     assert_eq!(manager.identity().client_name, "from-env");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn elections_work_on_a_cluster() {
+    let nodes = RedisServer::start_cluster(3).unwrap();
+    let build = |name: &'static str| {
+        LockManager::builder()
+            .cluster(nodes.iter().map(RedisServer::url))
+            .key_prefix("ce:")
+            .client_name(name)
+            .build()
+    };
+    let (a, b) = (build("a").await.unwrap(), build("b").await.unwrap());
+    let mut observer = b.election("jobs").observe().await.unwrap();
+    assert_eq!(next(&mut observer).await, LeaderChange::NoLeader);
+    let first = a.election("jobs").campaign().await.unwrap();
+    assert_eq!(leader_term(&next(&mut observer).await), first.term());
+    let now = b.election("jobs").leader().await.unwrap().unwrap();
+    assert_eq!(now.term, first.term());
+    assert_eq!(now.identity.unwrap().client_name, "a");
+    assert!(b.election("jobs").try_campaign().await.unwrap().is_none());
+    let waiting = {
+        let election = b.election("jobs");
+        tokio::spawn(async move { election.campaign().await })
+    };
+    support::until_waiting(&b, 1).await;
+    first.resign().await.unwrap();
+    let second = tokio::time::timeout(SOON, waiting)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(second.term() > now.term);
+    assert_eq!(next(&mut observer).await, LeaderChange::NoLeader);
+    assert_eq!(leader_term(&next(&mut observer).await), second.term());
+    second.resign().await.unwrap();
 }
