@@ -5,6 +5,6 @@
 #[test]
 fn ui() {
     let cases = trybuild::TestCases::new();
-    cases.pass("tests/ui/pass/*.rs");
-    cases.compile_fail("tests/ui/fail/*.rs");
+    cases.pass("pass/*.rs");
+    cases.compile_fail("fail/*.rs");
 }
