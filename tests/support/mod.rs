@@ -15,6 +15,16 @@ pub fn shared_server() -> Arc<RedisServer> {
     RedisServer::shared().expect("redis-server must be installed to run the integration tests")
 }
 
+/// The name the test harness gives the test `test` of the module `module` (its
+/// `module_path!()`), as `--exact` takes it: the module path without the crate's name. A test
+/// that runs a child of this test binary runs one test in it by this name.
+pub fn test_name(module: &str, test: &str) -> String {
+    match module.split_once("::") {
+        Some((_, path)) => format!("{path}::{test}"),
+        None => test.to_owned(),
+    }
+}
+
 /// A fresh key prefix, so that tests sharing a server never see each other's keys.
 pub fn unique_prefix(test: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);

@@ -1,7 +1,7 @@
 //! `rediss://` endpoints: a private CA, mutual TLS, and failures that are errors, not hangs.
 #![cfg(feature = "tls")]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

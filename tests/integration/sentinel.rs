@@ -1,6 +1,6 @@
 //! Sentinel: the manager finds the master through the Sentinels and follows a failover.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

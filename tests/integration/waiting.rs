@@ -1,7 +1,7 @@
 //! Waiting for a busy lock: waiters are woken by the release itself, an expiry is still
 //! caught by the fallback timer, and nothing is left behind once waiting ends.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -2,7 +2,7 @@
 //! its keys are listed in, waits for a release of the key it found busy, and leaves nothing
 //! behind when its acquisition is cancelled or its holder panics.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};

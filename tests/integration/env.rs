@@ -1,6 +1,6 @@
 //! `LockManager::from_env()`: the process environment configures a working manager.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 
@@ -15,7 +15,11 @@ fn from_env_reads_the_process_environment() {
     // The variables are set on a child run of this test binary: the environment of the
     // running process is shared by every test thread.
     let output = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_builds_from_env", "--nocapture"])
+        .args([
+            "--exact",
+            &support::test_name(module_path!(), "child_builds_from_env"),
+            "--nocapture",
+        ])
         .env(CHILD, "1")
         .env("DISTLOCK_URL", server.url())
         .env("DISTLOCK_KEY_PREFIX", "envtest:")

@@ -2,7 +2,7 @@
 //! to concurrent sibling futures of the same task, and a nested acquisition of a lock the
 //! task already holds never queues behind other waiters for that lock.
 
-mod support;
+use crate::support;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;

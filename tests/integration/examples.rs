@@ -1,14 +1,14 @@
 //! The examples people copy, run against a real server: their logic is compiled in here from
 //! the example files themselves.
 
-mod support;
+use crate::support;
 
 #[allow(dead_code, unreachable_pub)]
-#[path = "../examples/scheduled.rs"]
+#[path = "../../examples/scheduled.rs"]
 mod scheduled;
 
 #[allow(dead_code, unreachable_pub)]
-#[path = "../examples/service.rs"]
+#[path = "../../examples/service.rs"]
 mod service;
 
 use std::collections::BTreeMap;

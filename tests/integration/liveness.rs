@@ -6,7 +6,7 @@
 //! Each test has a waiter of manager B (as another process) whose fallback timer would fire
 //! in a day: only the release's wake-up can let it in within the test's bound.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

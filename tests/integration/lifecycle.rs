@@ -1,7 +1,7 @@
 //! The ends of a lock's life: extend, release cancelled mid-flight, guards whose runtime
 //! shuts down, `LockManager::shutdown`, and durations too large to add to a clock.
 
-mod support;
+use crate::support;
 
 use std::future::Future;
 use std::pin::pin;

@@ -1,7 +1,7 @@
 //! Where a lock meets its deployment: key names that carry braces on a Cluster, replica
 //! acknowledgement, RedLock with a frozen or restarted master, and Sentinel behind a password.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! ACL users: distlock works for a user restricted to its prefix, with the README's rule or
 //! with `+@all -@dangerous`, and a missing permission is a clear error at `build()`.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

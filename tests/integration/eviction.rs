@@ -1,7 +1,7 @@
 //! `build()` reads every master's `maxmemory-policy`: an evicting policy is a warning, or a
 //! refusal with `require_noeviction`.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

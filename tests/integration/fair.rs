@@ -1,7 +1,7 @@
 //! Fair locks: waiters queue in Redis, across processes, and enter in arrival order; a waiter
 //! that dies, gives up or is cancelled leaves the queue, and nothing is left behind.
 
-mod support;
+use crate::support;
 
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -234,7 +234,11 @@ async fn a_waiter_whose_process_dies_drops_out_of_the_queue() {
         .unwrap();
     // Another process queues first, and is killed while it waits.
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_waits_in_the_queue", "--nocapture"])
+        .args([
+            "--exact",
+            &support::test_name(module_path!(), "child_waits_in_the_queue"),
+            "--nocapture",
+        ])
         .env(CHILD, format!("{} {prefix}", server.url()))
         .stdout(Stdio::null())
         .spawn()

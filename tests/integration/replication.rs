@@ -4,8 +4,6 @@
 //! crashes, and the replica is promoted without the lock. Without `sync_replicas` a second
 //! client is then granted the same lock; with it, the first grant is refused instead.
 
-mod support;
-
 use std::time::Duration;
 
 use distlock::testing::RedisServer;

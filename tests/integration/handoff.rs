@@ -2,7 +2,7 @@
 //! waits for it, in the release's own round trip, and never leaves a lock behind when that
 //! task gives up at the same moment.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

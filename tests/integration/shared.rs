@@ -1,6 +1,6 @@
 //! Read-write locks and counting semaphores against a real redis-server.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};

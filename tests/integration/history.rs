@@ -25,13 +25,13 @@
 //!   outlast what its own owner asked for (a renewal or extend by a robbed holder would
 //!   prolong it).
 //!
-//! `cargo test --test history` runs a short budget on one server. The seed is printed, and
-//! `DISTLOCK_SEED=<n>` replays it. `DISTLOCK_HISTORY_LONG=<acquisitions>` (say 100000) runs
-//! the long mode: that many acquisitions on each topology — one server, Sentinel, Cluster and
-//! RedLock over 3 — with faults mixed in (latency and partitions through a proxy, servers
-//! paused; a RedLock master killed and restarted empty).
+//! `cargo test --test integration history::` runs a short budget on one server. The seed is
+//! printed, and `DISTLOCK_SEED=<n>` replays it. `DISTLOCK_HISTORY_LONG=<acquisitions>` (say
+//! 100000) runs the long mode: that many acquisitions on each topology — one server,
+//! Sentinel, Cluster and RedLock over 3 — with faults mixed in (latency and partitions through
+//! a proxy, servers paused; a RedLock master killed and restarted empty).
 
-mod support;
+use crate::support;
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;

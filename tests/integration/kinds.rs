@@ -2,7 +2,7 @@
 //! together and permits up to N overlap; everything else waits, and no kind's request or
 //! release ever frees the key for another kind's owner.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

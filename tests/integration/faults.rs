@@ -1,7 +1,7 @@
 //! Real faults: a server that is killed, frozen, restarted empty, or never there. Each test
 //! owns its server, since it breaks it.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! RedLock over independent masters: every mix of healthy, killed, frozen and foreign-held
 //! nodes grants the lock exactly when a majority is free and reachable.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -1,9 +1,11 @@
 //! Metrics through the `metrics` facade, read back with a debugging recorder after known
 //! sequences against a real server. Each test labels its requests with a template of its own,
-//! so tests running side by side never count each other's locks.
+//! so tests running side by side never count each other's locks. The recorder is global to
+//! the test binary: once installed it also sees the locks of the other modules' tests, whose
+//! templates (their keys, or `<manual>`) are none of these.
 #![cfg(feature = "metrics")]
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};

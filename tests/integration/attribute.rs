@@ -2,7 +2,7 @@
 //! released on every way out of it.
 #![warn(clippy::pedantic)]
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};

@@ -1,7 +1,7 @@
 //! Long critical sections: watchdog renewal, the lease-lost signal, fencing tokens,
 //! reentrancy and `min_hold`, against real redis-server processes.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -1,7 +1,7 @@
 //! The `distlock` inspector binary against a real server.
 #![cfg(feature = "cli")]
 
-mod support;
+use crate::support;
 
 use std::io::Write;
 use std::process::{Command, Output, Stdio};

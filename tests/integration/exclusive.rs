@@ -1,6 +1,6 @@
 //! The exclusive lock through the manual API, against a real redis-server.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

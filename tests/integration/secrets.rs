@@ -1,6 +1,6 @@
 //! No password (nor key material) ever shows in `Debug`, `Display`, errors or tracing output.
 
-mod support;
+use crate::support;
 
 use std::error::Error as _;
 use std::sync::OnceLock;
@@ -23,7 +23,8 @@ const SPLIT_USER: &str = "Us3rN4me";
 /// What must never show of these: each piece on its own.
 const SPLIT_PIECES: [&str; 5] = ["Sl4shy", "Qu3ry", "H4shy", "T41l", SPLIT_USER];
 
-/// Everything logged by any thread of this test binary.
+/// Everything logged by any thread of this test binary, from the first call on: the tests of
+/// the other modules too, so none of them may log these secrets either.
 fn logs() -> &'static Logs {
     static LOGS: OnceLock<Logs> = OnceLock::new();
     LOGS.get_or_init(|| {

@@ -1,7 +1,7 @@
 //! Redis Cluster: locks on keys spread over every master, with their companion keys in the
 //! lock's own hash slot (never CROSSSLOT), renewal batched per slot, and exclusion held.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;
