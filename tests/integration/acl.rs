@@ -1,13 +1,13 @@
 //! ACL users: distlock works for a user restricted to its prefix, with the README's rule or
 //! with `+@all -@dangerous`, and a missing permission is a clear error at `build()`.
 
-use crate::support;
-
 use std::time::Duration;
 
 use distlock::testing::RedisServer;
 use distlock::{LockError, LockManager};
-use support::logs::Logs;
+
+use crate::support;
+use crate::support::logs::Logs;
 
 const PASSWORD: &str = "locker-pw";
 
@@ -20,11 +20,7 @@ fn server_with_user(rules: &str) -> RedisServer {
 }
 
 async fn manager_as_locker(server: &RedisServer, prefix: &str) -> Result<LockManager, LockError> {
-    LockManager::builder()
-        .redis_url(server.url_as("locker", PASSWORD))
-        .key_prefix(prefix)
-        .connect_timeout(Duration::from_millis(500))
-        .response_timeout(Duration::from_millis(500))
+    support::quick(support::single(server.url_as("locker", PASSWORD)), prefix)
         .build()
         .await
 }

@@ -2,15 +2,15 @@
 //! released on every way out of it.
 #![warn(clippy::pedantic)]
 
-use crate::support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use distlock::{LockError, LockManager, distributed_lock};
-use support::{keys, manager, shared_server, unique_prefix};
 use tokio::sync::{Notify, oneshot};
+
+use crate::support;
+use crate::support::{keys, manager, shared_server, unique_prefix};
 
 #[derive(Debug)]
 enum AppError {

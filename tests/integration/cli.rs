@@ -1,14 +1,14 @@
 //! The `distlock` inspector binary against a real server.
 #![cfg(feature = "cli")]
 
-use crate::support;
-
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use distlock::LockError;
-use support::{keys, manager, shared_server, unique_prefix};
+
+use crate::support;
+use crate::support::{keys, manager, shared_server, unique_prefix};
 
 /// Runs `distlock args…` with the given environment (nothing else from ours), feeding `input`.
 fn distlock(env: &[(&str, &str)], args: &[&str], input: &str) -> Output {
@@ -222,12 +222,7 @@ fn bad_settings_are_clear_errors_and_no_password_is_printed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_reads_every_master_of_a_cluster() {
     let nodes = distlock::testing::RedisServer::start_cluster(3).unwrap();
-    let locks = distlock::LockManager::builder()
-        .cluster(nodes.iter().map(|n| n.url()))
-        .key_prefix("cli-cluster:")
-        .build()
-        .await
-        .unwrap();
+    let locks = support::cluster_manager(&nodes, "cli-cluster:").await;
     let mut guards = Vec::new();
     for i in 0..20 {
         guards.push(locks.lock(format!("job:{i}")).acquire().await.unwrap());

@@ -1,22 +1,12 @@
 //! Redis Cluster: locks on keys spread over every master, with their companion keys in the
 //! lock's own hash slot (never CROSSSLOT), renewal batched per slot, and exclusion held.
 
-use crate::support;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use distlock::LockManager;
 use distlock::testing::RedisServer;
 
-async fn cluster(nodes: &[RedisServer], prefix: &str) -> LockManager {
-    LockManager::builder()
-        .cluster(nodes.iter().map(RedisServer::url))
-        .key_prefix(prefix)
-        .build()
-        .await
-        .unwrap()
-}
+use crate::support;
 
 /// Keys under `prefix` on every node.
 fn keys(nodes: &[RedisServer], prefix: &str) -> Vec<String> {
@@ -36,7 +26,7 @@ fn keys(nodes: &[RedisServer], prefix: &str) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn locks_across_slots_and_masters() {
     let nodes = RedisServer::start_cluster(3).unwrap();
-    let locks = cluster(&nodes, "c:").await;
+    let locks = support::cluster_manager(&nodes, "c:").await;
     // Scripts forgotten everywhere (as after restarts): each node gets them again on NOSCRIPT.
     for node in &nodes {
         assert_eq!(node.command(&["SCRIPT", "FLUSH"]).unwrap(), "+OK");
@@ -92,7 +82,7 @@ async fn locks_across_slots_and_masters() {
 #[tokio::test]
 async fn leases_are_renewed_slot_by_slot() {
     let nodes = RedisServer::start_cluster(3).unwrap();
-    let locks = cluster(&nodes, "w:").await;
+    let locks = support::cluster_manager(&nodes, "w:").await;
     let ttl = Duration::from_millis(400);
     let mut guards = Vec::new();
     for i in 0..30 {
@@ -121,7 +111,7 @@ async fn exclusion_holds_on_a_cluster() {
     let nodes = RedisServer::start_cluster(3).unwrap();
     let mut managers = Vec::new();
     for _ in 0..3 {
-        managers.push(cluster(&nodes, "x:").await);
+        managers.push(support::cluster_manager(&nodes, "x:").await);
     }
     let run = support::contend(&managers, 5, 10, true, None).await;
     assert_eq!(run.entries, 150);
@@ -147,7 +137,10 @@ async fn a_failover_during_a_contended_run() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let replica = nodes.iter().find(|n| n.port() == replica_port).unwrap();
-    let managers = vec![cluster(&nodes, "f:").await, cluster(&nodes, "f:").await];
+    let managers = vec![
+        support::cluster_manager(&nodes, "f:").await,
+        support::cluster_manager(&nodes, "f:").await,
+    ];
     let halfway = Arc::new(tokio::sync::Notify::new());
     let run = support::contend(&managers, 4, 60, true, Some(halfway.clone()));
     let fail_over = async {
@@ -213,7 +206,10 @@ fn migrate(nodes: &[RedisServer], slot: u16, from: (&str, u16), to: (&str, u16))
 async fn a_slot_migration_during_a_contended_run() {
     let nodes = RedisServer::start_cluster(3).unwrap();
     let slot = keyslot(&nodes[0], "m:{hot}");
-    let managers = vec![cluster(&nodes, "m:").await, cluster(&nodes, "m:").await];
+    let managers = vec![
+        support::cluster_manager(&nodes, "m:").await,
+        support::cluster_manager(&nodes, "m:").await,
+    ];
     let halfway = Arc::new(tokio::sync::Notify::new());
     let run = support::contend(&managers, 4, 25, true, Some(halfway.clone()));
     let target = async {
@@ -303,8 +299,8 @@ impl ClusterView {
 #[tokio::test]
 async fn a_release_wakes_a_waiter_on_a_cluster() {
     let nodes = RedisServer::start_cluster(3).unwrap();
-    let holder = cluster(&nodes, "wk:").await;
-    let waiter = cluster(&nodes, "wk:").await;
+    let holder = support::cluster_manager(&nodes, "wk:").await;
+    let waiter = support::cluster_manager(&nodes, "wk:").await;
     let day = Duration::from_secs(24 * 3600);
     let held = holder.lock("k").ttl(day).acquire().await.unwrap();
     let waiting =
@@ -352,7 +348,7 @@ fn sets(nodes: &[RedisServer]) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_hands_the_lock_to_a_local_waiter_on_a_cluster() {
     let nodes = RedisServer::start_cluster(3).unwrap();
-    let locks = cluster(&nodes, "ho:").await;
+    let locks = support::cluster_manager(&nodes, "ho:").await;
     let day = Duration::from_secs(24 * 3600);
     let names: Vec<String> = (0..6).map(|i| format!("k{i}")).collect();
     for (handed, name) in names.iter().enumerate() {
@@ -395,7 +391,10 @@ fn fair_queue(nodes: &[RedisServer], prefix: &str, name: &str) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fair_locks_keep_arrival_order_on_a_cluster() {
     let nodes = RedisServer::start_cluster(3).unwrap();
-    let managers = [cluster(&nodes, "fq:").await, cluster(&nodes, "fq:").await];
+    let managers = [
+        support::cluster_manager(&nodes, "fq:").await,
+        support::cluster_manager(&nodes, "fq:").await,
+    ];
     let day = Duration::from_secs(24 * 3600);
     for name in ["k0", "k1", "k2", "k3", "k4", "k5"] {
         let held = managers[0]

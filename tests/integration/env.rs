@@ -1,10 +1,10 @@
 //! `LockManager::from_env()`: the process environment configures a working manager.
 
-use crate::support;
-
 use std::process::Command;
 
 use distlock::{LockError, LockManagerBuilder};
+
+use crate::support;
 
 /// Set in the child process that this test starts with a prepared environment.
 const CHILD: &str = "DISTLOCK_TEST_ENV_CHILD";

@@ -1,22 +1,16 @@
 //! `build()` reads every master's `maxmemory-policy`: an evicting policy is a warning, or a
 //! refusal with `require_noeviction`.
 
-use crate::support;
-
-use std::time::Duration;
-
 use distlock::testing::RedisServer;
 use distlock::{LockError, LockManager, LockManagerBuilder};
-use support::logs::Logs;
+
+use crate::support;
+use crate::support::logs::Logs;
 
 const WARNING: &str = "may evict held locks";
 
 fn builder(url: String) -> LockManagerBuilder {
-    LockManager::builder()
-        .redis_url(url)
-        .key_prefix(support::unique_prefix("eviction"))
-        .connect_timeout(Duration::from_millis(500))
-        .response_timeout(Duration::from_millis(500))
+    support::quick(support::single(url), &support::unique_prefix("eviction"))
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -115,8 +109,7 @@ async fn every_cluster_master_is_checked() {
         .unwrap();
     assert_eq!(reply, "+OK");
     let (logs, _guard) = Logs::capture_here();
-    LockManager::builder()
-        .cluster([nodes[0].url()])
+    support::cluster(&nodes[..1])
         .key_prefix(support::unique_prefix("eviction"))
         .build()
         .await
@@ -127,8 +120,7 @@ async fn every_cluster_master_is_checked() {
         warnings[0].contains(&evicting.port().to_string()) && warnings[0].contains("volatile-lfu"),
         "{warnings:?}"
     );
-    let refused = LockManager::builder()
-        .cluster([nodes[0].url()])
+    let refused = support::cluster(&nodes[..1])
         .require_noeviction(true)
         .build()
         .await

@@ -1,8 +1,6 @@
 //! The examples people copy, run against a real server: their logic is compiled in here from
 //! the example files themselves.
 
-use crate::support;
-
 #[allow(dead_code, unreachable_pub)]
 #[path = "../../examples/scheduled.rs"]
 mod scheduled;
@@ -17,7 +15,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use support::{keys, manager, shared_server, unique_prefix};
+use crate::support::{keys, manager, shared_server, unique_prefix};
 
 #[tokio::test]
 async fn the_scheduled_job_runs_at_most_once_per_period() {

@@ -1,14 +1,13 @@
 //! The exclusive lock through the manual API, against a real redis-server.
 
-use crate::support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use distlock::{LockError, LockManager};
 use redis::AsyncCommands;
-use support::{keys, manager, raw, shared_server, unique_prefix};
+
+use crate::support::{keys, manager, raw, shared_server, unique_prefix};
 
 #[tokio::test]
 async fn acquire_holds_the_key_and_release_frees_it() {

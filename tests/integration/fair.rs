@@ -1,8 +1,6 @@
 //! Fair locks: waiters queue in Redis, across processes, and enter in arrival order; a waiter
 //! that dies, gives up or is cancelled leaves the queue, and nothing is left behind.
 
-use crate::support;
-
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -10,7 +8,9 @@ use std::time::{Duration, Instant};
 use distlock::testing::RedisServer;
 use distlock::{LockError, LockManager, distributed_lock};
 use redis::AsyncCommands;
-use support::{keys, manager, raw, shared_server, unique_prefix};
+
+use crate::support;
+use crate::support::{keys, manager, raw, shared_server, unique_prefix};
 
 /// Far longer than any test: a lock with this lease is only ever freed by a release.
 const LONG: Duration = Duration::from_secs(600);

@@ -1,13 +1,13 @@
 //! Real faults: a server that is killed, frozen, restarted empty, or never there. Each test
 //! owns its server, since it breaks it.
 
-use crate::support;
-
 use std::time::Duration;
 
 use distlock::testing::{Fault, FaultProxy, RedisServer};
 use distlock::{LockError, LockManager};
-use support::{keys, manager};
+
+use crate::support;
+use crate::support::{keys, manager};
 
 /// Far above every bound the library sets (500 ms response timeout in these tests): reaching
 /// it means something hung.
@@ -192,14 +192,7 @@ async fn credentials_never_appear_in_errors() {
 }
 
 async fn through(proxy: &FaultProxy) -> LockManager {
-    LockManager::builder()
-        .redis_url(proxy.url())
-        .key_prefix("proxy:")
-        .response_timeout(Duration::from_millis(500))
-        .connect_timeout(Duration::from_millis(500))
-        .build()
-        .await
-        .unwrap()
+    support::manager_at(proxy.url(), "proxy:").await
 }
 
 #[tokio::test]
@@ -244,7 +237,7 @@ async fn latency_blackhole_and_reset_on_the_network() {
 /// lease), not the response timeout.
 #[tokio::test]
 async fn a_blackholed_redlock_master_costs_only_its_node_timeout() {
-    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start().unwrap()).collect();
+    let servers = support::redlock_masters(3);
     let proxy = FaultProxy::start(servers[2].port()).unwrap();
     let urls = [servers[0].url(), servers[1].url(), proxy.url()];
     let locks = LockManager::builder()

@@ -2,8 +2,6 @@
 //! waits for it, in the release's own round trip, and never leaves a lock behind when that
 //! task gives up at the same moment.
 
-use crate::support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -11,7 +9,8 @@ use std::time::Duration;
 use distlock::testing::RedisServer;
 use distlock::{LockError, LockManager};
 use redis::AsyncCommands;
-use support::{keys, manager, raw, shared_server, take_soon, unique_prefix};
+
+use crate::support::{keys, manager, raw, shared_server, take_soon, unique_prefix};
 
 /// Far longer than any test: a lock with this lease is only ever freed by a release.
 const LONG: Duration = Duration::from_secs(600);

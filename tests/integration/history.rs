@@ -31,8 +31,6 @@
 //! Sentinel, Cluster and RedLock over 3 — with faults mixed in (latency and partitions through
 //! a proxy, servers paused; a RedLock master killed and restarted empty).
 
-use crate::support;
-
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -41,6 +39,8 @@ use std::time::{Duration, Instant};
 
 use distlock::testing::{Fault, FaultProxy, RedisServer};
 use distlock::{LockError, LockGuard, LockManager, LockRequest, distributed_lock};
+
+use crate::support;
 
 /// The keys every program works on: few, so that programs meet.
 const KEYS: [&str; 3] = ["a", "b", "c"];
@@ -1343,16 +1343,6 @@ fn long_mode() -> Option<u64> {
     })
 }
 
-async fn build(url: impl FnOnce() -> distlock::LockManagerBuilder, prefix: &str) -> LockManager {
-    url()
-        .key_prefix(prefix)
-        .response_timeout(Duration::from_millis(500))
-        .connect_timeout(Duration::from_millis(500))
-        .build()
-        .await
-        .expect("manager connects")
-}
-
 async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
     redis::Client::open(url)
         .unwrap()
@@ -1411,9 +1401,9 @@ async fn random_programs_keep_every_guarantee() {
     let server = support::shared_server();
     let prefix = support::unique_prefix("history");
     let managers = vec![
-        build(|| LockManager::builder().redis_url(server.url()), &prefix).await,
-        build(|| LockManager::builder().redis_url(server.url()), &prefix).await,
-        build(|| LockManager::builder().redis_url(server.url()), &prefix).await,
+        support::manager(&server, &prefix).await,
+        support::manager(&server, &prefix).await,
+        support::manager(&server, &prefix).await,
     ];
     let world = World {
         history: Arc::default(),
@@ -1505,9 +1495,9 @@ async fn single_with_faults(seed: u64, target: u64, run: &Run) {
     let proxy = Arc::new(FaultProxy::start(server.port()).unwrap());
     let prefix = support::unique_prefix("long-single");
     let managers = vec![
-        build(|| LockManager::builder().redis_url(server.url()), &prefix).await,
-        build(|| LockManager::builder().redis_url(server.url()), &prefix).await,
-        build(|| LockManager::builder().redis_url(proxy.url()), &prefix).await,
+        support::manager(&server, &prefix).await,
+        support::manager(&server, &prefix).await,
+        support::manager_at(proxy.url(), &prefix).await,
     ];
     let world = World {
         history: Arc::default(),
@@ -1557,23 +1547,12 @@ async fn single_with_faults(seed: u64, target: u64, run: &Run) {
 /// Sentinels' down-after time (no failover: a failover of unreplicated grants is the one
 /// documented way to lose exclusion on this topology, so it is left out).
 async fn sentinel_with_faults(seed: u64, target: u64, run: &Run) {
-    let master = Arc::new(RedisServer::start().unwrap());
-    let _replica = RedisServer::start_replica_of(&master).unwrap();
-    let sentinels: Vec<RedisServer> = (0..3)
-        .map(|_| RedisServer::start_sentinel(&master, "history", 2).unwrap())
-        .collect();
-    let urls: Vec<String> = sentinels.iter().map(RedisServer::url).collect();
+    let group = support::SentinelGroup::start("history");
+    let master = group.master.clone();
     let prefix = support::unique_prefix("long-sentinel");
     let mut managers = Vec::new();
     for _ in 0..run.managers {
-        let urls = urls.clone();
-        managers.push(
-            build(
-                move || LockManager::builder().sentinel(urls, "history"),
-                &prefix,
-            )
-            .await,
-        );
+        managers.push(support::connect(support::quick(group.builder(), &prefix)).await);
     }
     let world = World {
         history: Arc::default(),
@@ -1617,12 +1596,10 @@ async fn cluster_with_faults(seed: u64, target: u64, run: &Run) {
         .into_iter()
         .map(Arc::new)
         .collect();
-    let seeds: Vec<String> = nodes.iter().map(|n| n.url()).collect();
     let prefix = support::unique_prefix("long-cluster");
     let mut managers = Vec::new();
     for _ in 0..run.managers {
-        let seeds = seeds.clone();
-        managers.push(build(move || LockManager::builder().cluster(seeds), &prefix).await);
+        managers.push(support::connect(support::quick(support::cluster(&nodes), &prefix)).await);
     }
     let world = World {
         history: Arc::default(),
@@ -1656,21 +1633,17 @@ async fn cluster_with_faults(seed: u64, target: u64, run: &Run) {
 /// RedLock over three masters; one master at a time is paused, or killed and restarted
 /// empty (a minority: the quorum rule and the restart delay keep exclusion).
 async fn redlock_with_faults(seed: u64, target: u64, run: &Run) {
-    let masters: Vec<Arc<RedisServer>> = (0..3)
-        .map(|_| Arc::new(RedisServer::start().unwrap()))
+    let masters: Vec<Arc<RedisServer>> = support::redlock_masters(3)
+        .into_iter()
+        .map(Arc::new)
         .collect();
-    let urls: Vec<String> = masters.iter().map(|m| m.url()).collect();
     let prefix = support::unique_prefix("long-redlock");
     let mut managers = Vec::new();
     for _ in 0..run.managers {
-        let urls = urls.clone();
         // Longer than any lease the programs take there.
-        let builder = move || {
-            LockManager::builder()
-                .redlock(urls)
-                .redlock_restart_delay(Duration::from_millis(2_500))
-        };
-        managers.push(build(builder, &prefix).await);
+        let builder =
+            support::redlock(&masters).redlock_restart_delay(Duration::from_millis(2_500));
+        managers.push(support::connect(support::quick(builder, &prefix)).await);
     }
     let world = World {
         history: Arc::default(),

@@ -2,13 +2,12 @@
 //! together and permits up to N overlap; everything else waits, and no kind's request or
 //! release ever frees the key for another kind's owner.
 
-use crate::support;
-
 use std::time::Duration;
 
 use distlock::{LockError, LockGuard, LockManager, LockRequest};
 use redis::AsyncCommands;
-use support::{keys, manager, raw, shared_server, unique_prefix};
+
+use crate::support::{keys, manager, raw, shared_server, unique_prefix};
 
 /// The lock kinds a key can be used through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

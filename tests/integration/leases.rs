@@ -1,8 +1,6 @@
 //! Long critical sections: watchdog renewal, the lease-lost signal, fencing tokens,
 //! reentrancy and `min_hold`, against real redis-server processes.
 
-use crate::support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -10,8 +8,9 @@ use std::time::{Duration, Instant};
 use distlock::testing::RedisServer;
 use distlock::{LockError, LockManager, distributed_lock};
 use redis::AsyncCommands;
-use support::{keys, manager, raw, shared_server, unique_prefix};
 use tokio::sync::Notify;
+
+use crate::support::{keys, manager, raw, shared_server, unique_prefix};
 
 const TTL: Duration = Duration::from_millis(300);
 

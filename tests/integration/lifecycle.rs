@@ -1,8 +1,6 @@
 //! The ends of a lock's life: extend, release cancelled mid-flight, guards whose runtime
 //! shuts down, `LockManager::shutdown`, and durations too large to add to a clock.
 
-use crate::support;
-
 use std::future::Future;
 use std::pin::pin;
 use std::task::Poll;
@@ -11,7 +9,8 @@ use std::time::{Duration, Instant};
 use distlock::testing::{Fault, FaultProxy, RedisServer};
 use distlock::{LockError, LockGuard, LockManager, MAX_TTL};
 use redis::AsyncCommands;
-use support::{manager, raw, shared_server, take_soon, unique_prefix};
+
+use crate::support::{manager, raw, shared_server, take_soon, unique_prefix};
 
 /// Far longer than any of these tests may take: a key still there after this long was left
 /// behind, not slow to go.

@@ -6,13 +6,12 @@
 //! Each test has a waiter of manager B (as another process) whose fallback timer would fire
 //! in a day: only the release's wake-up can let it in within the test's bound.
 
-use crate::support;
-
 use std::time::Duration;
 
 use distlock::testing::RedisServer;
 use distlock::{LockError, LockGuard, LockManager, LockRequest};
-use support::{keys, manager, shared_server, unique_prefix};
+
+use crate::support::{keys, manager, shared_server, unique_prefix};
 
 /// Far longer than any test: a waiter that sleeps this long was not woken.
 const NEVER: Duration = Duration::from_secs(24 * 3600);

@@ -5,8 +5,6 @@
 //! templates (their keys, or `<manual>`) are none of these.
 #![cfg(feature = "metrics")]
 
-use crate::support;
-
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
@@ -15,7 +13,8 @@ use distlock::{LockError, LockManager, distributed_lock, metrics as names};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::{CompositeKey, MetricKind};
 
-use support::{manager, shared_server, unique_prefix};
+use crate::support;
+use crate::support::{manager, shared_server, unique_prefix};
 
 /// Every key these tests lock contains this, so the labels can be searched for it.
 const MARK: &str = "FULLKEY";

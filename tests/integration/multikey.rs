@@ -2,15 +2,15 @@
 //! its keys are listed in, waits for a release of the key it found busy, and leaves nothing
 //! behind when its acquisition is cancelled or its holder panics.
 
-use crate::support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
 
 use distlock::testing::{Fault, FaultProxy, RedisServer};
 use distlock::{LockError, LockManager, distributed_lock};
-use support::{keys, manager, raw, shared_server, take_soon, unique_prefix};
+
+use crate::support;
+use crate::support::{keys, manager, raw, shared_server, take_soon, unique_prefix};
 
 const ACCOUNTS: usize = 4;
 const START: i64 = 1_000;
@@ -533,15 +533,6 @@ async fn fencing_draws_one_token_per_key_from_that_key_counter() {
     single.release().await.unwrap();
 }
 
-async fn cluster(nodes: &[RedisServer], prefix: &str) -> LockManager {
-    LockManager::builder()
-        .cluster(nodes.iter().map(RedisServer::url))
-        .key_prefix(prefix)
-        .build()
-        .await
-        .unwrap()
-}
-
 fn cluster_keys(nodes: &[RedisServer], prefix: &str) -> Vec<String> {
     let mut all: Vec<String> = nodes
         .iter()
@@ -561,8 +552,8 @@ fn cluster_keys(nodes: &[RedisServer], prefix: &str) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_cluster_a_set_spans_slots_and_rolls_back_when_a_later_slot_is_busy() {
     let nodes = RedisServer::start_cluster(3).unwrap();
-    let locks = cluster(&nodes, "m:").await;
-    let other = cluster(&nodes, "m:").await;
+    let locks = support::cluster_manager(&nodes, "m:").await;
+    let other = support::cluster_manager(&nodes, "m:").await;
     let names: Vec<String> = (0..8).map(|i| format!("account:{i}")).collect();
     let slot = |name: &str| -> u16 {
         let reply = nodes[0]
@@ -629,16 +620,11 @@ async fn on_cluster_a_set_spans_slots_and_rolls_back_when_a_later_slot_is_busy()
 
 #[tokio::test]
 async fn on_redlock_a_majority_grants_the_whole_set() {
-    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start().unwrap()).collect();
-    let redlock = || async {
-        LockManager::builder()
-            .redlock(servers.iter().map(RedisServer::url))
-            .key_prefix("rl:")
-            .build()
-            .await
-            .unwrap()
-    };
-    let (locks, other) = (redlock().await, redlock().await);
+    let servers = support::redlock_masters(3);
+    let (locks, other) = (
+        support::redlock_manager(&servers, "rl:").await,
+        support::redlock_manager(&servers, "rl:").await,
+    );
     // One master holds a key of the set for someone else: the other two still grant it.
     let foreign = locks.redis_key("b");
     servers[0]

@@ -2,16 +2,15 @@
 //! to concurrent sibling futures of the same task, and a nested acquisition of a lock the
 //! task already holds never queues behind other waiters for that lock.
 
-use crate::support;
-
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use distlock::{LockError, LockManager, distributed_lock};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
-use support::{keys, manager, shared_server, take_soon, unique_prefix};
 use tokio::sync::Notify;
+
+use crate::support::{keys, manager, shared_server, take_soon, unique_prefix};
 
 #[derive(Debug)]
 enum AppError {

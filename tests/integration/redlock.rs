@@ -1,13 +1,13 @@
 //! RedLock over independent masters: every mix of healthy, killed, frozen and foreign-held
 //! nodes grants the lock exactly when a majority is free and reachable.
 
-use crate::support;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use distlock::testing::RedisServer;
 use distlock::{LockError, LockManager};
+
+use crate::support;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -21,8 +21,7 @@ const STATES: [State; 4] = [State::Healthy, State::Killed, State::Paused, State:
 const TTL: Duration = Duration::from_secs(1);
 
 async fn redlock(servers: &[RedisServer]) -> LockManager {
-    LockManager::builder()
-        .redlock(servers.iter().map(RedisServer::url))
+    support::redlock(servers)
         .key_prefix("rl:")
         .connect_timeout(Duration::from_millis(300))
         .response_timeout(Duration::from_millis(300))
@@ -96,7 +95,7 @@ async fn check(servers: &[RedisServer], states: &[State], case: usize) {
 
 #[tokio::test]
 async fn three_masters_every_combination() {
-    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start().unwrap()).collect();
+    let servers = support::redlock_masters(3);
     let mut case = 0;
     for a in STATES {
         for b in STATES {
@@ -110,7 +109,7 @@ async fn three_masters_every_combination() {
 
 #[tokio::test]
 async fn five_masters_a_spread_of_combinations() {
-    let servers: Vec<RedisServer> = (0..5).map(|_| RedisServer::start().unwrap()).collect();
+    let servers = support::redlock_masters(5);
     // Every number of failed nodes, with each kind of failure, and mixes.
     let cases: Vec<Vec<State>> = (0..=5)
         .flat_map(|failed| {
@@ -154,12 +153,9 @@ async fn five_masters_a_spread_of_combinations() {
 #[tokio::test]
 async fn bad_redlock_configurations_are_errors() {
     let one = RedisServer::start().unwrap();
-    let two = LockManager::builder()
-        .redlock([one.url(), one.url()])
-        .build()
-        .await;
+    let two = support::redlock(&[&one, &one]).build().await;
     assert!(matches!(two, Err(LockError::Config(_))));
-    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start().unwrap()).collect();
+    let servers = support::redlock_masters(3);
     let locks = redlock(&servers).await;
     let fencing = locks.lock("k").fencing(true).acquire().await;
     assert!(matches!(
@@ -177,7 +173,7 @@ async fn bad_redlock_configurations_are_errors() {
 /// with one master killed halfway.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exclusion_holds_with_a_master_down() {
-    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start().unwrap()).collect();
+    let servers = support::redlock_masters(3);
     let mut managers = Vec::new();
     for _ in 0..3 {
         managers.push(redlock(&servers).await);
@@ -197,10 +193,9 @@ async fn exclusion_holds_with_a_master_down() {
 /// let a second client win B and C; kept out for the restart delay, they cannot.
 #[tokio::test]
 async fn a_restarted_master_stays_out_of_the_quorum() {
-    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start().unwrap()).collect();
+    let servers = support::redlock_masters(3);
     let build = |delay: Duration| {
-        LockManager::builder()
-            .redlock(servers.iter().map(RedisServer::url))
+        support::redlock(&servers)
             .response_timeout(Duration::from_millis(300))
             .connect_timeout(Duration::from_millis(300))
             .redlock_restart_delay(delay)

@@ -9,12 +9,10 @@ use std::time::Duration;
 use distlock::testing::RedisServer;
 use distlock::{LockError, LockManager};
 
+use crate::support;
+
 async fn manager(server: &RedisServer, sync: bool) -> LockManager {
-    let mut builder = LockManager::builder()
-        .redis_url(server.url())
-        .key_prefix("repl:")
-        .response_timeout(Duration::from_millis(500))
-        .connect_timeout(Duration::from_millis(500));
+    let mut builder = support::quick(support::single(server.url()), "repl:");
     if sync {
         builder = builder.sync_replicas(1, Duration::from_millis(200));
     }

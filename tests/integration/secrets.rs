@@ -1,14 +1,13 @@
 //! No password (nor key material) ever shows in `Debug`, `Display`, errors or tracing output.
 
-use crate::support;
-
 use std::error::Error as _;
 use std::sync::OnceLock;
 use std::time::Duration;
 
 use distlock::testing::RedisServer;
 use distlock::{LockError, LockManager, LockManagerBuilder};
-use support::logs::Logs;
+
+use crate::support::logs::Logs;
 
 const SECRET: &str = "Pa55-SECRET-word";
 const WRONG: &str = "Wr0ng-SECRET-guess";

@@ -1,50 +1,22 @@
 //! Sentinel: the manager finds the master through the Sentinels and follows a failover.
 
-use crate::support;
-
 use std::time::{Duration, Instant};
 
+use distlock::LockError;
 use distlock::testing::RedisServer;
-use distlock::{LockError, LockManager};
+
+use crate::support;
 
 const MASTER: &str = "locks";
 
-/// Waits (bounded) until every Sentinel knows the replica and the other Sentinels, which a
-/// failover needs.
-fn wait_until_ready(sentinels: &[RedisServer]) {
-    let started = Instant::now();
-    loop {
-        let ready = sentinels.iter().all(|s| {
-            let others = s
-                .command(&["SENTINEL", "SENTINELS", MASTER])
-                .unwrap_or_default();
-            let replicas = s
-                .command(&["SENTINEL", "REPLICAS", MASTER])
-                .unwrap_or_default();
-            others.matches("runid").count() == sentinels.len() - 1 && replicas.contains("slave")
-        });
-        if ready {
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "Sentinels did not find each other"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 #[tokio::test]
 async fn the_manager_follows_a_failover() {
-    let master = RedisServer::start().unwrap();
-    let replica = RedisServer::start_replica_of(&master).unwrap();
-    let sentinels: Vec<RedisServer> = (0..3)
-        .map(|_| RedisServer::start_sentinel(&master, MASTER, 2).unwrap())
-        .collect();
-    wait_until_ready(&sentinels);
+    let group = support::SentinelGroup::start(MASTER);
+    let (master, replica) = (&group.master, &group.replica);
+    group.wait_until_ready();
 
-    let locks = LockManager::builder()
-        .sentinel(sentinels.iter().map(RedisServer::url), MASTER)
+    let locks = group
+        .builder()
         .key_prefix("sentinel:")
         .response_timeout(Duration::from_millis(300))
         .connect_timeout(Duration::from_millis(300))
@@ -100,8 +72,7 @@ async fn the_manager_follows_a_failover() {
 async fn an_unknown_master_name_is_a_configuration_error() {
     let master = RedisServer::start().unwrap();
     let sentinel = RedisServer::start_sentinel(&master, MASTER, 1).unwrap();
-    let outcome = LockManager::builder()
-        .sentinel([sentinel.url()], "no-such-master")
+    let outcome = support::sentinel(&[&sentinel], "no-such-master")
         .connect_timeout(Duration::from_millis(300))
         .build()
         .await;
@@ -115,16 +86,12 @@ async fn an_unknown_master_name_is_a_configuration_error() {
 /// over: nobody is ever inside with another holder, and every entry gets done.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exclusion_holds_through_a_failover() {
-    let master = RedisServer::start().unwrap();
-    let _replica = RedisServer::start_replica_of(&master).unwrap();
-    let sentinels: Vec<RedisServer> = (0..3)
-        .map(|_| RedisServer::start_sentinel(&master, MASTER, 2).unwrap())
-        .collect();
-    wait_until_ready(&sentinels);
+    let group = support::SentinelGroup::start(MASTER);
+    group.wait_until_ready();
     let mut managers = Vec::new();
     for _ in 0..2 {
-        let locks = LockManager::builder()
-            .sentinel(sentinels.iter().map(RedisServer::url), MASTER)
+        let locks = group
+            .builder()
             .key_prefix("sx:")
             .response_timeout(Duration::from_millis(300))
             .connect_timeout(Duration::from_millis(300))
@@ -137,7 +104,7 @@ async fn exclusion_holds_through_a_failover() {
     let run = support::contend(&managers, 4, 10, true, Some(halfway.clone()));
     let kill = async {
         halfway.notified().await;
-        master.kill().unwrap();
+        group.master.kill().unwrap();
     };
     let (run, ()) = tokio::join!(run, kill);
     assert_eq!(run.entries, 80);

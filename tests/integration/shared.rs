@@ -1,14 +1,13 @@
 //! Read-write locks and counting semaphores against a real redis-server.
 
-use crate::support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use distlock::{LockError, LockManager, distributed_lock};
-use support::{keys, manager, shared_server, unique_prefix};
 use tokio::sync::Barrier;
+
+use crate::support::{keys, manager, shared_server, unique_prefix};
 
 /// Entries and exits of every holder, as (+1 reader | +1000 writer) deltas, checked on entry.
 #[derive(Default)]

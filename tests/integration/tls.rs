@@ -1,12 +1,12 @@
 //! `rediss://` endpoints: a private CA, mutual TLS, and failures that are errors, not hangs.
 #![cfg(feature = "tls")]
 
-use crate::support;
-
 use std::time::Duration;
 
 use distlock::testing::{RedisServer, TestCertificates};
 use distlock::{LockError, LockManager, LockManagerBuilder};
+
+use crate::support;
 
 /// Bounds a build that must fail, so that a hang shows as a failure instead of a stuck test.
 async fn build(builder: LockManagerBuilder) -> Result<LockManager, LockError> {
@@ -16,11 +16,7 @@ async fn build(builder: LockManagerBuilder) -> Result<LockManager, LockError> {
 }
 
 fn builder(url: impl Into<String>) -> LockManagerBuilder {
-    LockManager::builder()
-        .redis_url(url)
-        .key_prefix(support::unique_prefix("tls"))
-        .connect_timeout(Duration::from_millis(500))
-        .response_timeout(Duration::from_millis(500))
+    support::quick(support::single(url), &support::unique_prefix("tls"))
 }
 
 async fn round_trip(locks: &LockManager) {
@@ -144,8 +140,7 @@ async fn redlock_over_tls() {
         .map(|_| RedisServer::start_tls(&certs, true).unwrap())
         .collect();
     let locks = build(
-        LockManager::builder()
-            .redlock(servers.iter().map(RedisServer::url))
+        support::redlock(&servers)
             .key_prefix(support::unique_prefix("tls-redlock"))
             .tls_ca_certificate(certs.ca_pem().unwrap())
             .tls_client_certificate(
@@ -182,12 +177,11 @@ async fn cluster_over_tls() {
     let seeds: Vec<String> = nodes.iter().map(RedisServer::url).collect();
     assert!(seeds.iter().all(|s| s.starts_with("rediss://")));
     let cluster = |ca: String| {
-        LockManager::builder()
-            .cluster(seeds.clone())
-            .key_prefix(support::unique_prefix("tls-cluster"))
-            .connect_timeout(Duration::from_millis(500))
-            .response_timeout(Duration::from_millis(500))
-            .tls_ca_certificate(ca)
+        support::quick(
+            support::cluster(&nodes),
+            &support::unique_prefix("tls-cluster"),
+        )
+        .tls_ca_certificate(ca)
     };
     let locks = build(cluster(certs.ca_pem().unwrap()))
         .await
@@ -215,12 +209,11 @@ async fn sentinel_over_tls() {
     let urls: Vec<String> = sentinels.iter().map(RedisServer::url).collect();
     assert!(urls.iter().all(|u| u.starts_with("rediss://")));
     let sentinel = |ca: String| {
-        LockManager::builder()
-            .sentinel(urls.clone(), "tlsmaster")
-            .key_prefix(support::unique_prefix("tls-sentinel"))
-            .connect_timeout(Duration::from_millis(500))
-            .response_timeout(Duration::from_millis(500))
-            .tls_ca_certificate(ca)
+        support::quick(
+            support::sentinel(&sentinels, "tlsmaster"),
+            &support::unique_prefix("tls-sentinel"),
+        )
+        .tls_ca_certificate(ca)
     };
     let locks = build(sentinel(certs.ca_pem().unwrap()))
         .await

@@ -1,12 +1,12 @@
 //! Where a lock meets its deployment: key names that carry braces on a Cluster, replica
 //! acknowledgement, RedLock with a frozen or restarted master, and Sentinel behind a password.
 
-use crate::support;
-
 use std::time::Duration;
 
 use distlock::LockManager;
 use distlock::testing::RedisServer;
+
+use crate::support;
 
 /// Keys under `prefix` on every node of a cluster.
 fn cluster_keys(nodes: &[RedisServer], prefix: &str) -> Vec<String> {
@@ -21,12 +21,7 @@ fn cluster_keys(nodes: &[RedisServer], prefix: &str) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn names_with_braces_stay_in_one_slot_on_a_cluster() {
     let nodes = RedisServer::start_cluster(3).unwrap();
-    let locks = LockManager::builder()
-        .cluster(nodes.iter().map(RedisServer::url))
-        .key_prefix("br:")
-        .build()
-        .await
-        .unwrap();
+    let locks = support::cluster_manager(&nodes, "br:").await;
     let names = ["}x", "a}b{c", "{}", "}{", "{", "x}", "%7D}"];
     for name in names {
         let exclusive = locks
@@ -150,10 +145,9 @@ async fn waiting_for_a_replica_blocks_no_other_request() {
 /// others instead of waiting for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_redlock_master_neither_loses_a_lease_nor_holds_up_its_release() {
-    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start().unwrap()).collect();
+    let servers = support::redlock_masters(3);
     let response_timeout = Duration::from_secs(60);
-    let locks = LockManager::builder()
-        .redlock(servers.iter().map(RedisServer::url))
+    let locks = support::redlock(&servers)
         .key_prefix("fz:")
         .response_timeout(response_timeout)
         .build()
@@ -194,8 +188,7 @@ async fn a_sentinel_master_behind_a_password() {
     let master = RedisServer::start_with_password(password).unwrap();
     let sentinel = RedisServer::start_sentinel(&master, "pw-master", 1).unwrap();
     assert!(sentinel.url().contains(password));
-    let locks = LockManager::builder()
-        .sentinel([sentinel.url()], "pw-master")
+    let locks = support::sentinel(&[&sentinel], "pw-master")
         .key_prefix("pw:")
         .build()
         .await

@@ -1,15 +1,15 @@
 //! Waiting for a busy lock: waiters are woken by the release itself, an expiry is still
 //! caught by the fallback timer, and nothing is left behind once waiting ends.
 
-use crate::support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use distlock::testing::{Fault, FaultProxy, RedisServer};
 use distlock::{LockError, LockManager, distributed_lock};
-use support::{keys, manager, raw, shared_server, unique_prefix};
+
+use crate::support;
+use crate::support::{keys, manager, raw, shared_server, unique_prefix};
 
 /// Far longer than any test: a waiter that sleeps this long was not woken.
 const NEVER: Duration = Duration::from_secs(24 * 3600);
@@ -259,14 +259,7 @@ async fn exclusion_holds_on_the_wake_up_path() {
 
 /// A manager that reaches `server` through a fault proxy, with the test timeouts.
 async fn behind(proxy: &FaultProxy, prefix: &str) -> LockManager {
-    LockManager::builder()
-        .redis_url(proxy.url())
-        .key_prefix(prefix)
-        .response_timeout(Duration::from_millis(500))
-        .connect_timeout(Duration::from_millis(500))
-        .build()
-        .await
-        .unwrap()
+    support::manager_at(proxy.url(), prefix).await
 }
 
 /// Generous: a request bounded by a second or two that has not ended by then is stuck.

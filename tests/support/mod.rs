@@ -1,7 +1,11 @@
-//! Shared by the integration tests: real `redis-server` processes and managers on them.
+//! Shared by the integration tests: real `redis-server` processes and managers on them, on
+//! every topology (`topology`).
 #![allow(dead_code, unreachable_pub)]
 
 pub mod logs;
+mod topology;
+
+pub use topology::*;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,14 +37,7 @@ pub fn unique_prefix(test: &str) -> String {
 
 /// A manager on `server` under `prefix`, with short timeouts so faults show quickly.
 pub async fn manager(server: &RedisServer, prefix: &str) -> LockManager {
-    LockManager::builder()
-        .redis_url(server.url())
-        .key_prefix(prefix)
-        .response_timeout(Duration::from_millis(500))
-        .connect_timeout(Duration::from_millis(500))
-        .build()
-        .await
-        .expect("manager connects to the test server")
+    manager_at(server.url(), prefix).await
 }
 
 /// The keys under `prefix` that exist on `server`.
