@@ -2,9 +2,10 @@
 """Plants realistic bugs one at a time and checks that the tests catch each.
 
 Each mutation edits the Lua scripts or the Rust waiting and hand-off code, then runs the
-history checker's short mode (`cargo test --test history`) and the test file that owns the
-code. A mutation is caught when either fails (or runs past its time limit). The tree is
-restored after each one, whatever happens.
+history checker's short mode (`cargo test --all-features --test integration history::`) and
+the tests of the module that owns the code (`tests/integration/<module>.rs`, run the same way
+with `<module>::`). A mutation is caught when either fails (or runs past its time limit). The
+tree is restored after each one, whatever happens.
 
     python3 tools/mutations.py               # every mutation (about an hour on 2 cores)
     python3 tools/mutations.py unlock renew  # those whose name contains any of the words
@@ -23,7 +24,7 @@ RT = "distlock-runtime/src/"
 LUA = RT + "scripts/"
 LIMIT = 420  # seconds per test run; past it the run counts as failed (a hang)
 
-# name, owning test file, [(file, text, replacement), ...]
+# name, owning test module (tests/integration/<module>.rs), [(file, text, replacement), ...]
 MUTATIONS = [
     # --- Lua: owner checks
     ("unlock.lua: owner check becomes a key-exists check", "exclusive",
@@ -117,8 +118,9 @@ def run(args, env=None, limit=LIMIT):
     return ok, time.time() - started
 
 
-def cargo_test(name):
-    return run(["cargo", "test", "--all-features", "--test", name])
+def cargo_test(module):
+    """The tests of one module of the integration test binary."""
+    return run(["cargo", "test", "--all-features", "--test", "integration", f"{module}::"])
 
 
 def apply(edits):
@@ -145,9 +147,12 @@ def main():
     chosen = [m for m in MUTATIONS if not words or any(w in m[0] for w in words)]
     print("baseline: the unmutated tree must pass", flush=True)
     for name in sorted({"history"} | {m[1] for m in chosen}):
+        # A filter that matches no test passes: the module must exist.
+        if not (ROOT / "tests" / "integration" / f"{name}.rs").is_file():
+            sys.exit(f"no test module tests/integration/{name}.rs")
         ok, _ = cargo_test(name)
         if not ok:
-            sys.exit(f"baseline: tests/{name}.rs fails without any mutation")
+            sys.exit(f"baseline: tests/integration/{name}.rs fails without any mutation")
     rows = []
     for name, owner, edits in chosen:
         saved = apply(edits)
@@ -158,7 +163,7 @@ def main():
             for test in ["history", owner]:
                 ok, _ = cargo_test(test)
                 if not ok:
-                    caught.append(f"tests/{test}.rs")
+                    caught.append(test)
             elapsed = time.time() - started
         finally:
             restore(saved)

@@ -1,7 +1,11 @@
-//! Shared by the integration tests: real `redis-server` processes and managers on them.
+//! Shared by the integration tests: real `redis-server` processes and managers on them, on
+//! every topology (`topology`).
 #![allow(dead_code, unreachable_pub)]
 
 pub mod logs;
+mod topology;
+
+pub use topology::*;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,6 +19,16 @@ pub fn shared_server() -> Arc<RedisServer> {
     RedisServer::shared().expect("redis-server must be installed to run the integration tests")
 }
 
+/// The name the test harness gives the test `test` of the module `module` (its
+/// `module_path!()`), as `--exact` takes it: the module path without the crate's name. A test
+/// that runs a child of this test binary runs one test in it by this name.
+pub fn test_name(module: &str, test: &str) -> String {
+    match module.split_once("::") {
+        Some((_, path)) => format!("{path}::{test}"),
+        None => test.to_owned(),
+    }
+}
+
 /// A fresh key prefix, so that tests sharing a server never see each other's keys.
 pub fn unique_prefix(test: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -23,14 +37,7 @@ pub fn unique_prefix(test: &str) -> String {
 
 /// A manager on `server` under `prefix`, with short timeouts so faults show quickly.
 pub async fn manager(server: &RedisServer, prefix: &str) -> LockManager {
-    LockManager::builder()
-        .redis_url(server.url())
-        .key_prefix(prefix)
-        .response_timeout(Duration::from_millis(500))
-        .connect_timeout(Duration::from_millis(500))
-        .build()
-        .await
-        .expect("manager connects to the test server")
+    manager_at(server.url(), prefix).await
 }
 
 /// The keys under `prefix` that exist on `server`.

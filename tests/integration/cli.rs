@@ -1,0 +1,243 @@
+//! The `distlock` inspector binary against a real server.
+#![cfg(feature = "cli")]
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use distlock::LockError;
+
+use crate::support;
+use crate::support::{keys, manager, shared_server, unique_prefix};
+
+/// Runs `distlock args…` with the given environment (nothing else from ours), feeding `input`.
+fn distlock(env: &[(&str, &str)], args: &[&str], input: &str) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_distlock"))
+        .args(args)
+        .env_clear()
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_and_show_every_kind() {
+    let server = shared_server();
+    let prefix = unique_prefix("cli-list");
+    let locks = manager(&server, &prefix).await;
+    let plain = locks.lock("order:1").acquire().await.unwrap();
+    let fenced = locks.lock("order:2").fencing(true).acquire().await.unwrap();
+    let r1 = locks.read_lock("doc").acquire().await.unwrap();
+    let r2 = locks.read_lock("doc").acquire().await.unwrap();
+    let permit = locks.semaphore("pool", 3).acquire().await.unwrap();
+    let url = server.url();
+    let env = [
+        ("DISTLOCK_URL", url.as_str()),
+        ("DISTLOCK_KEY_PREFIX", &prefix),
+    ];
+
+    let all = distlock(&env, &["list"], "");
+    assert!(all.status.success(), "{}", text(&all));
+    let table = text(&all);
+    for (name, kind) in [
+        ("order:1", "exclusive"),
+        ("order:2", "exclusive"),
+        ("doc", "read"),
+        ("pool", "semaphore"),
+    ] {
+        let line = table
+            .lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("{name} listed:\n{table}"));
+        assert!(line.contains(kind), "{line}");
+    }
+    assert!(table.contains(plain.token()), "{table}");
+    assert!(
+        table.contains(r1.token()) && table.contains(r2.token()),
+        "{table}"
+    );
+    let pool = table.lines().find(|l| l.starts_with("pool ")).unwrap();
+    assert!(pool.split_whitespace().any(|w| w == "3"), "N shown: {pool}");
+
+    let orders = text(&distlock(&env, &["list", "order:*"], ""));
+    assert!(
+        orders.contains("order:1") && !orders.contains("doc"),
+        "{orders}"
+    );
+
+    let show = distlock(&env, &["show", "order:2"], "");
+    assert!(show.status.success());
+    let detail = text(&show);
+    assert!(detail.contains(fenced.token()), "{detail}");
+    assert!(
+        detail.contains(&format!("fencing:  {}", fenced.fencing_token().unwrap())),
+        "{detail}"
+    );
+    // Each holder is named: client name, host and pid of the manager that took it.
+    let who = format!("{}, up ", locks.identity());
+    assert!(detail.contains(&format!("by {who}")), "{detail}");
+    assert!(
+        table.contains(&format!("{} ({who}", plain.token())),
+        "{table}"
+    );
+    let missing = distlock(&env, &["show", "nothing"], "");
+    assert_eq!(missing.status.code(), Some(1));
+
+    for guard in [plain, fenced, r1, r2, permit] {
+        guard.release().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_asks_and_removes_exactly_the_lock() {
+    let server = shared_server();
+    let prefix = unique_prefix("cli-release");
+    let locks = manager(&server, &prefix).await;
+    let other = manager(&server, &prefix).await;
+    let stuck = locks
+        .lock("stuck")
+        .ttl(Duration::from_secs(60))
+        .acquire()
+        .await
+        .unwrap();
+    let url = server.url();
+    let env = [
+        ("DISTLOCK_URL", url.as_str()),
+        ("DISTLOCK_KEY_PREFIX", &prefix),
+    ];
+
+    let refused = distlock(&env, &["release", "stuck"], "");
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
+    let declined = distlock(&env, &["release", "stuck", "--force"], "n\n");
+    assert!(text(&declined).contains("nothing removed"));
+    assert!(
+        stuck.is_held().await.unwrap(),
+        "still held after --force without yes"
+    );
+
+    // A waiter on another manager gets the lock once it is removed.
+    let waiter = tokio::spawn(async move {
+        other
+            .lock("stuck")
+            .wait(Duration::from_secs(20))
+            .acquire()
+            .await
+    });
+    let removed = distlock(&env, &["release", "stuck", "--force"], "y\n");
+    assert!(removed.status.success(), "{}", text(&removed));
+    assert!(text(&removed).contains(stuck.token()), "{}", text(&removed));
+    let next = waiter.await.unwrap().unwrap();
+    assert!(matches!(stuck.release().await, Err(LockError::Lost { .. })));
+    next.release().await.unwrap();
+
+    let held = locks.lock("again").acquire().await.unwrap();
+    let yes = distlock(&env, &["release", "again", "--force", "--yes"], "");
+    assert!(yes.status.success(), "{}", text(&yes));
+    assert!(!held.is_held().await.unwrap());
+    drop(held);
+    assert!(keys(&server, &prefix).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_prints_holders_as_they_change() {
+    use std::io::BufRead;
+    let server = shared_server();
+    let prefix = unique_prefix("cli-watch");
+    let locks = manager(&server, &prefix).await;
+    let first = locks.lock("w").acquire().await.unwrap();
+    let url = server.url();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_distlock"))
+        .args(["watch", "w", "--count", "2", "--for", "30s"])
+        .env_clear()
+        .env("DISTLOCK_URL", &url)
+        .env("DISTLOCK_KEY_PREFIX", &prefix)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (lines_tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let _ = lines_tx.send(line.unwrap());
+        }
+    });
+    // Each step waits for the watcher to print what it saw.
+    let line = lines.recv().await.unwrap();
+    assert!(line.contains(first.token()), "{line}");
+    let second = locks.lock("w");
+    first.release().await.unwrap();
+    let second = second.acquire().await.unwrap();
+    let line = lines.recv().await.unwrap();
+    assert!(
+        line.contains(second.token()) || line.contains("free"),
+        "{line}"
+    );
+    second.release().await.unwrap();
+    let mut rest = Vec::new();
+    while let Some(line) = lines.recv().await {
+        rest.push(line);
+    }
+    assert!(child.wait().unwrap().success());
+    assert!(!rest.is_empty() || line.contains("free"));
+}
+
+#[test]
+fn bad_settings_are_clear_errors_and_no_password_is_printed() {
+    let bad = distlock(
+        &[("DISTLOCK_URL", "redis://:s3cret-pw@127.0.0.1:1")],
+        &["list"],
+        "",
+    );
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(!text(&bad).contains("s3cret-pw"), "{}", text(&bad));
+    let ttl = distlock(
+        &[
+            ("DISTLOCK_URL", "redis://127.0.0.1:1"),
+            ("DISTLOCK_DEFAULT_TTL", "soon"),
+        ],
+        &["list"],
+        "",
+    );
+    assert!(
+        text(&ttl).contains("DISTLOCK_DEFAULT_TTL"),
+        "{}",
+        text(&ttl)
+    );
+    assert!(!text(&ttl).contains("panicked"));
+    let usage = distlock(&[], &["frobnicate"], "");
+    assert_eq!(usage.status.code(), Some(2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_reads_every_master_of_a_cluster() {
+    let nodes = distlock::testing::RedisServer::start_cluster(3).unwrap();
+    let locks = support::cluster_manager(&nodes, "cli-cluster:").await;
+    let mut guards = Vec::new();
+    for i in 0..20 {
+        guards.push(locks.lock(format!("job:{i}")).acquire().await.unwrap());
+    }
+    let listed = locks.list("job:*").await.unwrap();
+    assert_eq!(listed.len(), 20, "{listed:?}");
+    let removed = locks.force_release("job:7").await.unwrap().unwrap();
+    assert_eq!(removed.holders[0].token, guards[7].token());
+    assert!(locks.inspect("job:7").await.unwrap().is_none());
+    assert_eq!(locks.list("*").await.unwrap().len(), 19);
+}
