@@ -239,10 +239,13 @@ async fn hand_offs_stop_after_a_few_so_every_process_gets_its_turn() {
                 (locks.clone(), inside.clone(), entries.clone(), stop.clone());
             tasks.spawn(async move {
                 while !stop.load(Ordering::SeqCst) {
+                    // Through the server: runs of local passes have their own bounds
+                    // (tests/integration/cohorts.rs).
                     let guard = locks
                         .lock("hot")
                         .ttl(Duration::from_secs(5))
                         .wait(Duration::from_secs(30))
+                        .cohort(false)
                         .acquire()
                         .await
                         .unwrap();
