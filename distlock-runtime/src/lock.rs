@@ -597,17 +597,7 @@ async fn wait(
     // The holder the server named in this request's last busy answer, if it did.
     let mut holder: Option<[u64; 2]> = None;
     let give_up = |attempts, failure: Option<redis::RedisError>, holder: Option<[u64; 2]>| {
-        match failure {
-            // The last word decides: a failure to reach Redis is not reported as "busy".
-            Some(error) => LockError::redis(&plan.keys.name, error),
-            None => LockError::Busy {
-                key: plan.keys.name.clone(),
-                attempts,
-                waited: started.elapsed(),
-                holder_token: holder.map(crate::backend::token_text),
-                holder: None,
-            },
-        }
+        given_up(&plan, attempts, started, failure, holder)
     };
     // The last word from Redis on this lock: a failure, or none after a busy answer. Once in
     // the queue, the word of whichever local waiter asked last (see `Ticket::heard`).
@@ -1069,13 +1059,26 @@ async fn fair_give_up(
             tracing::debug!("a lock granted while giving up was passed on");
         }
     }
+    given_up(plan, attempts, started, failure, None)
+}
+
+/// The error of a request that gave up after `attempts`: the last word decides, so a
+/// failure to reach Redis is not reported as busy; a busy error carries the holder the
+/// server named, if it did.
+fn given_up(
+    plan: &Plan,
+    attempts: u32,
+    started: Instant,
+    failure: Option<redis::RedisError>,
+    holder: Option<[u64; 2]>,
+) -> LockError {
     match failure {
         Some(error) => LockError::redis(&plan.keys.name, error),
         None => LockError::Busy {
             key: plan.keys.name.clone(),
             attempts,
             waited: started.elapsed(),
-            holder_token: None,
+            holder_token: holder.map(crate::backend::token_text),
             holder: None,
         },
     }
