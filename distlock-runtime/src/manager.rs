@@ -616,7 +616,9 @@ impl LockManagerBuilder {
             .collect::<Vec<_>>()
             .join(", ");
         let driver = Driver::start()?;
-        let tag: Arc<str> = format!("{:016x}", fastrand::u64(..)).into();
+        // The manager's id: the first half of every owner token it makes (see `new_token`),
+        // drawn from the system's entropy, as a UUID v4 is.
+        let tag: Arc<str> = format!("{:016x}", uuid::Uuid::new_v4().as_u64_pair().0).into();
         let client_name = self
             .client_name
             .clone()
