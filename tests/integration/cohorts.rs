@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::support::{keys, manager, raw, shared_server, unique_prefix};
 use distlock::testing::RedisServer;
-use distlock::{LockError, LockGuard, LockManager};
+use distlock::{LockError, LockGuard, LockManager, LockRequest};
 use redis::AsyncCommands;
 
 /// A lease only a release ends within a test.
@@ -41,16 +41,24 @@ async fn ready(locks: &LockManager) {
 
 /// A task of `locks` that waits for `key` (its timer alone would take an hour).
 fn waiter(locks: &LockManager, key: &str, ttl: Duration) -> tokio::task::JoinHandle<LockGuard> {
+    waiter_with(locks, key, ttl, |request| request)
+}
+
+/// The same, with more options on its request.
+fn waiter_with(
+    locks: &LockManager,
+    key: &str,
+    ttl: Duration,
+    options: impl for<'m> FnOnce(LockRequest<'m>) -> LockRequest<'m> + Send + 'static,
+) -> tokio::task::JoinHandle<LockGuard> {
     let (locks, key) = (locks.clone(), key.to_owned());
     tokio::spawn(async move {
-        locks
+        let request = locks
             .lock(key)
             .ttl(ttl)
             .retry_delay(Duration::from_secs(3600))
-            .wait(Duration::from_secs(30))
-            .acquire()
-            .await
-            .unwrap()
+            .wait(Duration::from_secs(30));
+        options(request).acquire().await.unwrap()
     })
 }
 
@@ -110,20 +118,7 @@ async fn cohort_false_and_fencing_go_through_the_server() {
     assert_eq!(second.local_passes(), 0);
     assert_ne!(second.token(), token);
     // The waiter says no.
-    let waiting = {
-        let locks = locks.clone();
-        tokio::spawn(async move {
-            locks
-                .lock("k")
-                .ttl(LONG)
-                .cohort(false)
-                .retry_delay(Duration::from_secs(3600))
-                .wait(Duration::from_secs(30))
-                .acquire()
-                .await
-                .unwrap()
-        })
-    };
+    let waiting = waiter_with(&locks, "k", LONG, |request| request.cohort(false));
     ready(&locks).await;
     let token = second.token().to_owned();
     second.release().await.unwrap();
@@ -215,20 +210,7 @@ async fn a_passed_lock_is_renewed_by_its_new_holders_watchdog() {
     let locks = manager(&server, &prefix).await;
     let lease = Duration::from_millis(300);
     let first = locks.lock("k").ttl(lease).acquire().await.unwrap();
-    let waiting = {
-        let locks = locks.clone();
-        tokio::spawn(async move {
-            locks
-                .lock("k")
-                .ttl(lease)
-                .watchdog(true)
-                .retry_delay(Duration::from_secs(3600))
-                .wait(Duration::from_secs(30))
-                .acquire()
-                .await
-                .unwrap()
-        })
-    };
+    let waiting = waiter_with(&locks, "k", lease, |request| request.watchdog(true));
     ready(&locks).await;
     first.release().await.unwrap();
     let second = waiting.await.unwrap();
