@@ -589,7 +589,8 @@ impl LockManagerBuilder {
     /// The name this manager goes by: shown by the inspector next to every lock it holds, in
     /// [`LockError::Busy`] when it holds what another asked for, and as the name of its Redis
     /// connections (`CLIENT LIST`). One word of printable characters, at most 128 bytes.
-    /// Default: the name of the running executable. Environment: `DISTLOCK_CLIENT_NAME`.
+    /// Default: `DISTLOCK_CLIENT_NAME` if set (read by `build`, and by
+    /// [`from_env`](Self::from_env)), or else the name of the running executable.
     pub fn client_name(mut self, name: impl Into<String>) -> Self {
         self.client_name = Some(name.into());
         self
@@ -619,10 +620,18 @@ impl LockManagerBuilder {
         // The manager's id: the first half of every owner token it makes (see `new_token`),
         // drawn from the system's entropy, as a UUID v4 is.
         let tag: Arc<str> = format!("{:016x}", uuid::Uuid::new_v4().as_u64_pair().0).into();
-        let client_name = self
-            .client_name
-            .clone()
-            .unwrap_or_else(crate::identity::default_client_name);
+        // The builder's, or the environment's (checked as `from_env` checks it), or the
+        // executable's name.
+        let client_name = match (&self.client_name, std::env::var("DISTLOCK_CLIENT_NAME")) {
+            (Some(name), _) => name.clone(),
+            (None, Ok(name)) => {
+                crate::identity::check_client_name(&name).map_err(|reason| {
+                    LockError::Config(format!("DISTLOCK_CLIENT_NAME {reason}"))
+                })?;
+                name
+            }
+            (None, Err(_)) => crate::identity::default_client_name(),
+        };
         let registry = Arc::new(crate::identity::Registry::new(
             &self.prefix,
             crate::identity::HolderIdentity::current(&tag, client_name.clone()),

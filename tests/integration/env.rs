@@ -24,13 +24,14 @@ fn from_env_reads_the_process_environment() {
         .env("DISTLOCK_URL", server.url())
         .env("DISTLOCK_KEY_PREFIX", "envtest:")
         .env("DISTLOCK_DEFAULT_TTL", "7s")
+        .env("DISTLOCK_CLIENT_NAME", "env-client")
         .env_remove("REDIS_URL")
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "child failed:\n{stdout}");
     assert!(
-        stdout.contains("child: prefix envtest:, ttl 7s"),
+        stdout.contains("child: prefix envtest:, ttl 7s, named env-client and env-client"),
         "{stdout}"
     );
 }
@@ -42,10 +43,19 @@ async fn child_builds_from_env() {
     }
     let locks = distlock::LockManager::from_env().await.unwrap();
     let guard = locks.lock("env").acquire().await.unwrap();
+    // A builder that names no client takes the environment's name too.
+    let url = std::env::var("DISTLOCK_URL").unwrap();
+    let built = distlock::LockManager::builder()
+        .redis_url(url)
+        .build()
+        .await
+        .unwrap();
     println!(
-        "child: prefix {}, ttl {}s",
+        "child: prefix {}, ttl {}s, named {} and {}",
         locks.key_prefix(),
-        guard.ttl().as_secs()
+        guard.ttl().as_secs(),
+        locks.identity().client_name,
+        built.identity().client_name,
     );
     guard.release().await.unwrap();
 }
