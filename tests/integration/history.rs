@@ -153,6 +153,8 @@ struct State {
     local_passes: u64,
     /// Holds taken away from their holders, by token: when.
     robbed: HashMap<String, Instant>,
+    /// Each key's fencing tokens, and when their holds left (see `History::fenced`).
+    fences: HashMap<String, Vec<(u64, Option<Instant>)>>,
     /// Each election's terms, and when their leaders left.
     terms: HashMap<String, Vec<(u64, Option<Instant>)>>,
 }
@@ -166,6 +168,8 @@ struct Holder {
     kind: Kind,
     entered: Instant,
     valid_until: Instant,
+    /// The fencing token this hold drew (not for a nested hold, which carries its outer's).
+    fence: Option<u64>,
     /// Whether the key's PTTL is bounded by this owner's own requests (not for fair grants,
     /// which may carry another manager's claim window).
     capped: bool,
@@ -241,6 +245,13 @@ impl History {
                 ));
             }
         }
+        // A hold's own fencing token: a nested hold (its owner already inside) carries the
+        // outer hold's.
+        let nested = state
+            .holders
+            .get(key)
+            .is_some_and(|holders| holders.iter().any(|h| h.owner == owner));
+        let fence = guard.fencing_token().filter(|_| !nested);
         let id = state.next_id;
         state.next_id += 1;
         state.last_entry.insert(key.to_owned(), now);
@@ -278,11 +289,15 @@ impl History {
                 kind,
                 entered: now,
                 valid_until,
+                fence,
                 capped: matches!(kind, Kind::Exclusive | Kind::Write),
             });
         drop(state);
         if let Some(conflict) = conflict {
             self.violation(format!("overlap: {who}: {conflict}"));
+        }
+        if let Some(fence) = fence {
+            self.fenced(who, key, fence, now - guard.waited());
         }
         Entry {
             history: self.clone(),
@@ -310,6 +325,28 @@ impl History {
         if term <= earlier && !failed_over {
             self.violation(format!(
                 "term: {who} leads {key} in term {term}, not above the earlier {earlier}"
+            ));
+        }
+    }
+
+    /// A hold of `key` drew fencing token `fence`: larger than the token of every hold of the
+    /// key that had left before this request began (`asked`), unless a failover may have lost
+    /// the counter. (Holds that overlap in time, such as readers, may draw in either order.)
+    fn fenced(&self, who: &str, key: &str, fence: u64, asked: Instant) {
+        let mut state = self.lock();
+        let failed_over = state.void_before.is_some();
+        let fences = state.fences.entry(key.to_owned()).or_default();
+        let earlier = fences
+            .iter()
+            .filter(|(_, left)| left.is_some_and(|left| left < asked))
+            .map(|(f, _)| *f)
+            .max()
+            .unwrap_or(0);
+        fences.push((fence, None));
+        drop(state);
+        if fence <= earlier && !failed_over {
+            self.violation(format!(
+                "fencing: {who} holds {key} with token {fence}, not above the earlier {earlier}"
             ));
         }
     }
@@ -471,12 +508,21 @@ impl Drop for Entry {
     fn drop(&mut self) {
         let mut state = self.history.lock();
         let mut owner = None;
+        let mut fence = None;
         if let Some(holders) = state.holders.get_mut(&self.key) {
-            owner = holders
-                .iter()
-                .find(|h| h.id == self.id)
-                .map(|h| h.owner.clone());
+            if let Some(holder) = holders.iter().find(|h| h.id == self.id) {
+                owner = Some(holder.owner.clone());
+                fence = holder.fence;
+            }
             holders.retain(|h| h.id != self.id);
+        }
+        if let Some(fence) = fence
+            && let Some(entry) = state
+                .fences
+                .get_mut(&self.key)
+                .and_then(|fences| fences.iter_mut().find(|(f, _)| *f == fence))
+        {
+            entry.1 = Some(Instant::now());
         }
         if let Some(owner) = owner
             && !state.holders.values().flatten().any(|h| h.owner == owner)
