@@ -26,9 +26,10 @@ pub(crate) const MAX_CLIENT_NAME: usize = 128;
 /// Who a lock's holder is: the identity of the [`LockManager`](crate::LockManager) that took
 /// it, as that manager registered it in Redis.
 ///
-/// Shown by the inspector next to each holder's token, carried by [`LockError::Busy`] when the
-/// server named the holder, and by an election's [`LeaderInfo`](crate::LeaderInfo). Its
-/// `Display` reads `orders-api on host-3, pid 4242`.
+/// Shown by the inspector next to each holder's token, carried by
+/// [`LockError::Busy`](crate::LockError::Busy) when the server named the holder, and by an
+/// election's [`LeaderInfo`](crate::LeaderInfo). Its `Display` reads
+/// `orders-api on host-3, pid 4242`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct HolderIdentity {
