@@ -23,6 +23,15 @@ use std::time::Instant;
 use crate::backend::HoldIds;
 use crate::lease::LeaseState;
 
+/// Which kind of lock a request is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RequestKind {
+    Exclusive,
+    Read,
+    Write,
+    Permits(u32),
+}
+
 tokio::task_local! {
     static FRAME: RefCell<Vec<Weak<Held>>>;
 }

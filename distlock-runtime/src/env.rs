@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use crate::LockError;
 use crate::key::check_prefix;
-use crate::lock::check_ttl;
+use crate::lease::check_ttl;
 use crate::manager::{LockManager, LockManagerBuilder, check_masters, check_timeout};
 use crate::security::{check_certificates, check_private_key, check_tls_endpoints};
 

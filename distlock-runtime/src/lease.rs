@@ -6,6 +6,24 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+/// The longest lease a request or [`LockGuard::extend`](crate::LockGuard::extend) accepts: about 100 years, far below
+/// what Redis can store (a millisecond count that must not overflow when added to the
+/// server's clock).
+pub const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
+/// Checks a lease length: `Err` says why it is refused.
+pub(crate) fn check_ttl(ttl: Duration) -> Result<(), String> {
+    if ttl < Duration::from_millis(1) {
+        Err(format!("must be at least 1ms, got {ttl:?}"))
+    } else if ttl > MAX_TTL {
+        Err(format!(
+            "must be at most MAX_TTL ({MAX_TTL:?}), got {ttl:?}"
+        ))
+    } else {
+        Ok(())
+    }
+}
+
 /// Valid until a deadline on the monotonic clock, counted from when the request that set it
 /// was *sent*, minus a margin for clock drift between client and server (1 % of the lease
 /// plus 2 ms). Once lost, it stays lost.

@@ -87,6 +87,7 @@ pub use error::LockError;
 pub use guard::LockGuard;
 pub use identity::HolderIdentity;
 pub use key::MAX_KEY_LEN;
-pub use lock::{LockRequest, MAX_TTL};
+pub use lease::MAX_TTL;
+pub use lock::LockRequest;
 pub use manager::{LockManager, LockManagerBuilder, Stats};
 pub use multi::{MultiGuard, MultiLockRequest};

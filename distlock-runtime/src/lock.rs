@@ -10,33 +10,16 @@ use tracing::Instrument;
 
 use crate::LockError;
 use crate::backend::{AcquireRequest, Attempt, Shape};
-use crate::context::{self, Held, Kind};
+use crate::context::{self, Held, Kind, RequestKind};
 use crate::decide::{self, Step};
 use crate::guard::{Acquired, Handed, LocalPass, LockGuard, Parts, keep_until};
 use crate::key::Keys;
 use crate::lease::{LeaseState, saturating_add};
+use crate::lease::{MAX_TTL, check_ttl};
 use crate::manager::LockManager;
 use crate::retry::Backoff;
 use crate::waiters::Ticket;
 use crate::watchdog::Target;
-
-/// The longest lease a request or [`LockGuard::extend`] accepts: about 100 years, far below
-/// what Redis can store (a millisecond count that must not overflow when added to the
-/// server's clock).
-pub const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
-
-/// Checks a lease length: `Err` says why it is refused.
-pub(crate) fn check_ttl(ttl: Duration) -> Result<(), String> {
-    if ttl < Duration::from_millis(1) {
-        Err(format!("must be at least 1ms, got {ttl:?}"))
-    } else if ttl > MAX_TTL {
-        Err(format!(
-            "must be at most MAX_TTL ({MAX_TTL:?}), got {ttl:?}"
-        ))
-    } else {
-        Ok(())
-    }
-}
 
 /// A request for one lock, built by [`LockManager::lock`]; send it with
 /// [`acquire`](Self::acquire) or [`try_acquire`](Self::try_acquire).
@@ -85,15 +68,6 @@ impl fmt::Debug for LockRequest<'_> {
             .field("cohort", &self.cohort)
             .finish_non_exhaustive()
     }
-}
-
-/// Which kind of lock a request is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum RequestKind {
-    Exclusive,
-    Read,
-    Write,
-    Permits(u32),
 }
 
 /// A request with every option resolved and checked.

@@ -7,10 +7,12 @@ use std::time::Duration;
 
 use crate::LockError;
 use crate::backend::{self, Backend, ConnectOptions};
+use crate::context::RequestKind;
 use crate::driver::Driver;
 use crate::guard::Holds;
 use crate::key;
-use crate::lock::{LockRequest, MAX_TTL, RequestKind, check_ttl};
+use crate::lease::{MAX_TTL, check_ttl};
+use crate::lock::LockRequest;
 use crate::security::{Credentials, Security, Tls};
 use crate::waiters::Waiters;
 use crate::watchdog::Watchdog;

@@ -31,8 +31,8 @@ use std::time::Instant;
 
 #[cfg(feature = "metrics")]
 use crate::LockError;
+use crate::context::RequestKind;
 use crate::guard::LockGuard;
-use crate::lock::RequestKind;
 
 /// Counter: attempts sent to Redis.
 pub const ACQUIRE_ATTEMPTS: &str = "distlock_acquire_attempts_total";

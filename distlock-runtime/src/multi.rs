@@ -17,11 +17,13 @@ use std::time::{Duration, Instant};
 use tracing::Instrument;
 
 use crate::backend::{HoldIds, SetAttempt, SetKey, SetRequest};
+use crate::context::RequestKind;
 use crate::context::{self, Held, Kind};
 use crate::guard::{Acquired, Live};
 use crate::key::Keys;
 use crate::lease::LeaseState;
-use crate::lock::{MAX_TTL, RequestKind, check_ttl, is_transient, new_token};
+use crate::lease::{MAX_TTL, check_ttl};
+use crate::lock::{is_transient, new_token};
 use crate::manager::{Inner, LockManager};
 use crate::retry::Backoff;
 use crate::waiters::Ticket;

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::lock::MAX_TTL;
+use crate::lease::MAX_TTL;
 
 /// Backoff for one request: attempt `n` waits a random time in `[0, min(cap, base·2ⁿ⁻¹)]`.
 #[derive(Debug, Clone, Copy)]
