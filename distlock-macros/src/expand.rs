@@ -66,8 +66,8 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
     };
 
     // One lock, or a set of locks taken together (`keys`): what to request, and the
-    // `__private` functions that take, hold and give back that kind of guard.
-    let (request, guard_type, acquire, run, release) = match (&args.key, &args.keys) {
+    // `__private` function that takes that kind of guard.
+    let (request, guard_type, acquire) = match (&args.key, &args.keys) {
         (_, Some(templates)) => {
             let keys = templates.iter().map(|t| {
                 let key = t.expr();
@@ -82,8 +82,6 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
                 quote!(lock_all([#(#keys),*]).template(#text)),
                 quote!(::distlock::MultiGuard),
                 quote!(acquire_all),
-                quote!(run_all),
-                quote!(release_all),
             )
         }
         (Some(template), None) => {
@@ -103,8 +101,6 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
                 quote!(#method(#key #permits).template(#text)),
                 quote!(::distlock::LockGuard),
                 quote!(acquire),
-                quote!(run),
-                quote!(release),
             )
         }
         (None, None) => unreachable!("`key` or `keys` is required by `args::parse`"),
@@ -201,7 +197,7 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
                 #on_error
             };
             #bind_guard
-            let #output = ::distlock::__private::#run(&#guard, #on_lost, async move {
+            let #output = ::distlock::__private::run(&#guard, #on_lost, async move {
                 // Gives the block the function's return type, so `?` and `return` inside
                 // it convert exactly as they would in the original body.
                 #[allow(unreachable_code, clippy::diverging_sub_expression, clippy::empty_loop)]
@@ -217,7 +213,7 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
                 ::core::result::Result::Err(#error) => return #fail,
             };
             if let ::core::result::Result::Err(#error) =
-                ::distlock::__private::#release(#guard, #on_lost).await
+                ::distlock::__private::release(#guard, #on_lost).await
             {
                 return #fail;
             }

@@ -96,21 +96,80 @@ pub enum OnLost {
     Continue,
 }
 
+/// What an annotated call holds while its body runs: one lock ([`LockGuard`]) or a set
+/// ([`MultiGuard`]).
+pub trait Guard: Sized + Send {
+    /// Runs `body` in a frame of its own that holds these locks (and what the caller holds).
+    fn hold_during<F: Future>(&self, body: F) -> impl Future<Output = F::Output>;
+    /// Completes when a lease is lost, with the error to report.
+    fn lost(&self) -> impl Future<Output = LockError>;
+    /// Whether a lease is known to be lost.
+    fn is_lost(&self) -> bool;
+    /// Gives the locks back, waiting for Redis to confirm.
+    fn release(self) -> impl Future<Output = Result<(), LockError>> + Send;
+    /// The key, or keys, for logs.
+    fn describe(&self) -> String;
+}
+
+impl Guard for LockGuard {
+    fn hold_during<F: Future>(&self, body: F) -> impl Future<Output = F::Output> {
+        crate::context::run_holding(Some(self.held()), body)
+    }
+
+    fn lost(&self) -> impl Future<Output = LockError> {
+        LockGuard::lost(self)
+    }
+
+    fn is_lost(&self) -> bool {
+        LockGuard::is_lost(self)
+    }
+
+    fn release(self) -> impl Future<Output = Result<(), LockError>> + Send {
+        LockGuard::release(self)
+    }
+
+    fn describe(&self) -> String {
+        self.key().to_owned()
+    }
+}
+
+impl Guard for MultiGuard {
+    fn hold_during<F: Future>(&self, body: F) -> impl Future<Output = F::Output> {
+        crate::context::run_holding(self.held(), body)
+    }
+
+    fn lost(&self) -> impl Future<Output = LockError> {
+        MultiGuard::lost(self)
+    }
+
+    fn is_lost(&self) -> bool {
+        MultiGuard::is_lost(self)
+    }
+
+    fn release(self) -> impl Future<Output = Result<(), LockError>> + Send {
+        MultiGuard::release(self)
+    }
+
+    fn describe(&self) -> String {
+        self.keys().join(", ")
+    }
+}
+
 /// Runs the body in a frame of its own that holds `guard` (and what the caller holds),
 /// watching the lease as `on_lost` says.
-pub async fn run<F: Future>(
-    guard: &LockGuard,
+pub async fn run<G: Guard, F: Future>(
+    guard: &G,
     on_lost: OnLost,
     body: F,
 ) -> Result<F::Output, LockError> {
-    let body = crate::context::run_holding(Some(guard.held()), body);
+    let body = guard.hold_during(body);
     match on_lost {
         OnLost::Abort => {
             tokio::select! {
                 biased;
                 output = body => Ok(output),
                 lost = guard.lost() => {
-                    tracing::warn!(key = %guard.key(), "lease lost: the body was stopped");
+                    tracing::warn!(key = %guard.describe(), "lease lost: the body was stopped");
                     Err(lost)
                 }
             }
@@ -130,8 +189,8 @@ pub async fn run<F: Future>(
 /// enter at once. A lease found lost is an error unless `on_lost` is `Continue`; other
 /// release failures are logged (the lease expires by itself) and not returned, since the
 /// body's work is done.
-pub async fn release(guard: LockGuard, on_lost: OnLost) -> Result<(), LockError> {
-    let key = guard.key().to_owned();
+pub async fn release<G: Guard>(guard: G, on_lost: OnLost) -> Result<(), LockError> {
+    let key = guard.describe();
     match guard.release().await {
         Ok(()) => Ok(()),
         Err(error @ LockError::Lost { .. }) if on_lost != OnLost::Continue => Err(error),
@@ -149,52 +208,6 @@ pub async fn release(guard: LockGuard, on_lost: OnLost) -> Result<(), LockError>
 /// Takes the locks of an annotated call with `keys = […]`; see [`acquire`].
 pub async fn acquire_all(request: MultiLockRequest<'_>) -> Result<MultiGuard, LockError> {
     request.unrecorded().acquire().await
-}
-
-/// [`run`] for a set of locks: the body's frame holds every lock of the set.
-pub async fn run_all<F: Future>(
-    guard: &MultiGuard,
-    on_lost: OnLost,
-    body: F,
-) -> Result<F::Output, LockError> {
-    let body = crate::context::run_holding(guard.held(), body);
-    match on_lost {
-        OnLost::Abort => {
-            tokio::select! {
-                biased;
-                output = body => Ok(output),
-                lost = guard.lost() => {
-                    tracing::warn!(keys = ?guard.keys(), "lease lost: the body was stopped");
-                    Err(lost)
-                }
-            }
-        }
-        OnLost::Error => {
-            let output = body.await;
-            if guard.is_lost() {
-                return Err(guard.lost().await);
-            }
-            Ok(output)
-        }
-        OnLost::Continue => Ok(body.await),
-    }
-}
-
-/// [`release`] for a set of locks.
-pub async fn release_all(guard: MultiGuard, on_lost: OnLost) -> Result<(), LockError> {
-    let keys = guard.keys().to_vec();
-    match guard.release().await {
-        Ok(()) => Ok(()),
-        Err(error @ LockError::Lost { .. }) if on_lost != OnLost::Continue => Err(error),
-        Err(error @ LockError::Lost { .. }) => {
-            tracing::warn!(?keys, %error, "the lease ended before the body finished");
-            Ok(())
-        }
-        Err(error) => {
-            tracing::warn!(?keys, %error, "release failed; the leases will expire");
-            Ok(())
-        }
-    }
 }
 
 /// One key of `keys = […]`, as the set request takes it.

@@ -1,10 +1,9 @@
 //! The acquire loop's decisions, as pure functions of what the server answered, the
 //! request's bounds, the attempts so far and the time: what the loop does next. The loop
-//! (`lock::wait`) carries them out; these are tested here without a server.
+//! (`engine`) carries them out; these are tested here without a server.
 
 use std::time::{Duration, Instant};
 
-use crate::backend::Attempt;
 use crate::retry::Backoff;
 
 /// An attempt's answer, as far as the decision goes.
@@ -22,24 +21,6 @@ pub(crate) enum Answer {
     Transient,
     /// An error no retry can fix.
     Fatal,
-}
-
-impl Answer {
-    /// What `outcome` says; `transient` tells which errors may pass.
-    pub(crate) fn of(
-        outcome: &redis::RedisResult<Attempt>,
-        transient: impl Fn(&redis::RedisError) -> bool,
-    ) -> Self {
-        match outcome {
-            Ok(Attempt::Held { .. }) => Self::Granted,
-            Ok(Attempt::Busy { holder_ttl, .. }) => Self::Busy {
-                holder_ttl: *holder_ttl,
-            },
-            Ok(Attempt::PermitsMismatch { .. } | Attempt::Unreplicated { .. }) => Self::Refused,
-            Err(error) if transient(error) => Self::Transient,
-            Err(_) => Self::Fatal,
-        }
-    }
 }
 
 /// The bounds a request waits within.

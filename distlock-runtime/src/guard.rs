@@ -57,6 +57,16 @@ pub struct LockGuard {
     hold: Hold,
 }
 
+/// What a release did in this process, before the server.
+enum Locally {
+    /// The lock went to a waiter of this manager, or to other processes' turns.
+    Done(Result<(), LockError>),
+    /// A hand-off's answer was lost: the release on the server settles it.
+    Unsettled,
+    /// Nothing here: the release goes to the server.
+    NotHere,
+}
+
 /// Where a guard's hold stands with its manager.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Hold {
@@ -282,49 +292,71 @@ impl LockGuard {
             unanswered.0 = None;
             return outcome;
         }
-        let mut retried = false;
-        if self.parts.held.ids.plain
-            && keep_until.is_none()
-            && inner.backend.capabilities().hand_off
-        {
-            let passable = self.parts.held.cohort.then(|| Passable {
-                remaining: self.parts.lease.remaining(),
-            });
+        let retried = match self.release_locally(keep_until).await? {
+            Locally::Done(outcome) => {
+                unanswered.0 = None;
+                return outcome;
+            }
+            Locally::Unsettled => true,
+            Locally::NotHere => false,
+        };
+        let outcome = self.release_on_server(keep_until, retried).await;
+        unanswered.0 = None;
+        outcome
+    }
+
+    /// Gives a plain lock to a waiter of this manager, if one waits: passed as it is within
+    /// a cohort, or handed over in the release's own round trip; or lets other processes
+    /// have their turn after a run of hand-offs.
+    async fn release_locally(&self, keep_until: Option<Instant>) -> Result<Locally, LockError> {
+        let inner = &self.parts.manager.inner;
+        let held = &self.parts.held;
+        if !held.ids.plain || keep_until.is_some() || !inner.backend.capabilities().hand_off {
+            return Ok(Locally::NotHere);
+        }
+        let passable = held.cohort.then(|| Passable {
+            remaining: self.parts.lease.remaining(),
+        });
+        Ok(
             match inner
                 .waiters
-                .next(&self.parts.held.ids.wake, self.parts.lease.ttl(), passable)
+                .next(&held.ids.wake, self.parts.lease.ttl(), passable)
             {
-                Next::Release => {}
-                Next::Pass(offer) => {
-                    if self.pass(offer).is_ok() {
-                        unanswered.0 = None;
-                        return Ok(());
-                    }
-                    // The waiter left: this release goes to everyone, as below.
-                }
-                Next::Yield => {
-                    let outcome = Box::pin(self.yield_to_others()).await;
-                    unanswered.0 = None;
-                    return outcome;
-                }
-                Next::HandOff(offer) => match Box::pin(self.hand_off(offer)).await? {
-                    Some(outcome) => {
-                        unanswered.0 = None;
-                        return outcome;
-                    }
-                    // No answer: whether the owner changed is unknown. The release below
-                    // settles it (the waiter, told nothing, tries by itself meanwhile).
-                    None => retried = true,
+                Next::Release => Locally::NotHere,
+                Next::Pass(offer) => match self.pass(offer) {
+                    Ok(()) => Locally::Done(Ok(())),
+                    // The waiter left: this release goes to everyone.
+                    Err(()) => Locally::NotHere,
                 },
-            }
-        }
-        let outcome = loop {
+                // Boxed, as the other paths off the plain one: their state stays out of
+                // this future, which the caller's task carries.
+                Next::Yield => Locally::Done(Box::pin(self.yield_to_others()).await),
+                Next::HandOff(offer) => match Box::pin(self.hand_off(offer)).await? {
+                    Some(outcome) => Locally::Done(outcome),
+                    // No answer: whether the owner changed is unknown. The release on the
+                    // server settles it (the waiter, told nothing, tries by itself
+                    // meanwhile).
+                    None => Locally::Unsettled,
+                },
+            },
+        )
+    }
+
+    /// Gives the lock back on the server, once more if the reply is lost; `retried`: a
+    /// release was sent already, so a lock found gone may have been given back by it.
+    async fn release_on_server(
+        &self,
+        keep_until: Option<Instant>,
+        mut retried: bool,
+    ) -> Result<(), LockError> {
+        let inner = &self.parts.manager.inner;
+        loop {
             let ids = self.ids();
             let keep = keep_from(keep_until);
             let outcome = inner
                 .exec(move |backend| async move { backend.release(&ids, keep).await })
                 .await?;
-            break match outcome {
+            return match outcome {
                 Ok(true) => {
                     inner.waiters.released(&self.parts.held.ids.wake);
                     tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "released");
@@ -342,9 +374,7 @@ impl LockGuard {
                 }
                 Err(error) => Err(LockError::redis(self.key(), error)),
             };
-        };
-        unanswered.0 = None;
-        outcome
+        }
     }
 
     /// Gives back a fair lock: to the oldest waiter in its queue, if any, or to everyone. A
@@ -570,6 +600,15 @@ impl Handed {
     pub(crate) fn claim(mut self) -> (Instant, Option<LocalPass>) {
         self.unclaimed = None;
         (self.sent, self.local.take())
+    }
+
+    /// Until when the lock's lease runs: the shared lease of a hold passed locally, else a
+    /// lease of `ttl` from when the hand-off was sent.
+    pub(crate) fn lease_until(&self, ttl: Duration) -> Instant {
+        match &self.local {
+            Some(local) => local.lease.valid_until(),
+            None => saturating_add(self.sent, ttl),
+        }
     }
 
     /// Whether the lock came by a local pass (the waiter's own token took no part).

@@ -7,12 +7,10 @@ use std::time::Duration;
 
 use crate::LockError;
 use crate::backend::{self, Backend, ConnectOptions};
-use crate::context::RequestKind;
 use crate::driver::Driver;
 use crate::guard::Holds;
 use crate::key;
 use crate::lease::{MAX_TTL, check_ttl};
-use crate::lock::LockRequest;
 use crate::security::{Credentials, Security, Tls};
 use crate::waiters::Waiters;
 use crate::watchdog::Watchdog;
@@ -116,50 +114,6 @@ impl LockManager {
     /// Starts configuring a manager.
     pub fn builder() -> LockManagerBuilder {
         LockManagerBuilder::default()
-    }
-
-    /// Starts a request for the exclusive lock named `key`.
-    ///
-    /// One name is one lock, whatever kinds it is used through: an exclusive lock waits while
-    /// the key is held as a read or write lock, a semaphore, or kept by another holder's
-    /// `min_hold`, and keeps all of them out while it is held.
-    ///
-    /// The key is checked when the request is sent: it must not be empty and may be at most
-    /// [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes.
-    pub fn lock(&self, key: impl Into<String>) -> LockRequest<'_> {
-        LockRequest::new(self, RequestKind::Exclusive, key.into())
-    }
-
-    /// Starts a request for the read side of the read-write lock named `key`: any number of
-    /// readers hold it together, each with its own owner token and lease, while no writer
-    /// does. A writer that is waiting keeps new readers out, so readers cannot starve it.
-    ///
-    /// A task that holds the write lock may take the read lock too (downgrade); the lock stays
-    /// exclusive until the write hold is released. Readers overlap only with readers: an
-    /// exclusive lock, a semaphore permit or a `min_hold` on the same key makes them wait.
-    pub fn read_lock(&self, key: impl Into<String>) -> LockRequest<'_> {
-        LockRequest::new(self, RequestKind::Read, key.into())
-    }
-
-    /// Starts a request for the write side of the read-write lock named `key`: held by one
-    /// owner, while no reader holds the read side. A task holding the read lock that asks for
-    /// the write lock gets [`LockError::Upgrade`] at once. Like an exclusive lock, it waits
-    /// for (and keeps out) every other kind of lock on the same key.
-    pub fn write_lock(&self, key: impl Into<String>) -> LockRequest<'_> {
-        LockRequest::new(self, RequestKind::Write, key.into())
-    }
-
-    /// Starts a request for one permit of the counting semaphore named `key`: at most
-    /// `permits` holders at a time, each with its own owner token and lease, so the permit of
-    /// a holder that dies returns by itself when its lease ends. Permit holders overlap only
-    /// with each other: any other kind of lock on the key makes them wait.
-    ///
-    /// The key remembers the `permits` it is in use with: while any permit is held, a request
-    /// with another number fails at once with [`LockError::PermitsMismatch`] (all users of one
-    /// key must agree on it); once every permit has been returned, another number may be
-    /// used. Zero is an error.
-    pub fn semaphore(&self, key: impl Into<String>, permits: u32) -> LockRequest<'_> {
-        LockRequest::new(self, RequestKind::Permits(permits), key.into())
     }
 
     /// Makes this manager the process-wide default used by `#[distributed_lock]` functions

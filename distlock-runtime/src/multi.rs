@@ -1,5 +1,4 @@
-//! Several locks at once: the request built by [`LockManager::lock_all`], its acquire loop,
-//! and [`MultiGuard`].
+//! Several locks at once: a set request's acquire, and [`MultiGuard`].
 //!
 //! A set is all or nothing: one attempt either takes every lock of the set or leaves nothing
 //! behind, so a set never holds some keys while it waits for others, and two sets that
@@ -9,230 +8,44 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Waker};
 use std::time::{Duration, Instant};
 
 use tracing::Instrument;
 
 use crate::backend::{HoldIds, SetAttempt, SetKey, SetRequest};
-use crate::context::RequestKind;
-use crate::context::{self, Held, Kind};
+use crate::context::{Held, Kind, RequestKind};
+use crate::engine::{Ask, Engine, Reply, Won};
 use crate::guard::{Acquired, Live};
 use crate::key::Keys;
-use crate::lease::LeaseState;
-use crate::lease::{MAX_TTL, check_ttl};
-use crate::lock::{is_transient, new_token};
+use crate::lease::{LeaseState, check_ttl};
+use crate::lock::{self, new_token};
 use crate::manager::{Inner, LockManager};
-use crate::retry::Backoff;
-use crate::waiters::Ticket;
-use crate::watchdog::{Registration, Target};
+use crate::request::{MultiLockRequest, Plan};
+use crate::watchdog::Registration;
 use crate::{LockError, LockGuard};
 
-impl LockManager {
-    /// Starts a request for the exclusive locks named `keys`, taken together: either every
-    /// one is held or none is.
-    ///
-    /// The order of `keys` does not matter: two requests that list the same keys in opposite
-    /// orders never deadlock, because a request never holds some of its keys while it waits
-    /// for the others. Names that are equal are taken once. Each lock is the same lock that
-    /// [`lock`](Self::lock) takes on that name, so a set waits for (and keeps out) single
-    /// locks and every other kind of lock on any of its keys.
-    ///
-    /// ```no_run
-    /// # async fn run(locks: distlock_runtime::LockManager) -> Result<(), distlock_runtime::LockError> {
-    /// use std::time::Duration;
-    ///
-    /// let guard = locks
-    ///     .lock_all(["account:1", "account:2"])
-    ///     .ttl(Duration::from_secs(10))
-    ///     .wait(Duration::from_secs(5))
-    ///     .acquire()
-    ///     .await?;
-    /// // ... move the money ...
-    /// guard.release().await?;
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn lock_all<I>(&self, keys: I) -> MultiLockRequest<'_>
-    where
-        I: IntoIterator,
-        I::Item: Into<String>,
-    {
-        MultiLockRequest {
-            manager: self,
-            keys: keys.into_iter().map(Into::into).collect(),
-            template: None,
-            ttl: None,
-            retries: None,
-            retry_delay: None,
-            wait: None,
-            fencing: false,
-            watchdog: false,
-            max_hold: None,
-            reentrant: false,
-            record: true,
-        }
-    }
-}
-
-/// A request for several exclusive locks taken together, built by
-/// [`LockManager::lock_all`]; send it with [`acquire`](Self::acquire) or
-/// [`try_acquire`](Self::try_acquire).
-///
-/// The options are those of [`LockRequest`](crate::LockRequest), by the same names, and
-/// apply to every lock of the set.
-#[must_use = "a lock request does nothing until `acquire().await` or `try_acquire().await`"]
-pub struct MultiLockRequest<'m> {
-    manager: &'m LockManager,
-    keys: Vec<String>,
-    template: Option<&'static str>,
-    ttl: Option<Duration>,
-    retries: Option<u32>,
-    retry_delay: Option<Duration>,
-    wait: Option<Duration>,
-    fencing: bool,
-    watchdog: bool,
-    max_hold: Option<Duration>,
-    reentrant: bool,
-    record: bool,
-}
-
-impl fmt::Debug for MultiLockRequest<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MultiLockRequest")
-            .field("keys", &self.keys)
-            .field("ttl", &self.ttl)
-            .field("retries", &self.retries)
-            .field("retry_delay", &self.retry_delay)
-            .field("wait", &self.wait)
-            .field("fencing", &self.fencing)
-            .field("watchdog", &self.watchdog)
-            .field("max_hold", &self.max_hold)
-            .field("reentrant", &self.reentrant)
-            .finish_non_exhaustive()
-    }
-}
-
-/// A set request with every option resolved and checked.
-#[derive(Debug)]
-struct Plan {
-    /// Distinct locks, in the order first named.
-    keys: Vec<Keys>,
-    template: &'static str,
-    ttl: Duration,
-    retries: u32,
-    backoff: Backoff,
-    wait: Option<Duration>,
-    fencing: bool,
-    watchdog: bool,
-    max_hold: Option<Duration>,
-    reentrant: bool,
-}
-
-impl<'m> MultiLockRequest<'m> {
-    /// Leaves the holds out of the current frame (see `LockRequest::unrecorded`).
-    pub(crate) fn unrecorded(mut self) -> Self {
-        self.record = false;
-        self
-    }
-
-    /// The lease of every lock of the set. Must be at least 1 ms and at most [`MAX_TTL`].
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = Some(ttl);
-        self
-    }
-
-    /// Extra attempts after the first when any lock of the set is busy or Redis fails
-    /// transiently.
-    pub fn retries(mut self, retries: u32) -> Self {
-        self.retries = Some(retries);
-        self
-    }
-
-    /// The base delay between attempts; it doubles per attempt (up to 32×, and at most
-    /// [`MAX_TTL`]) with full jitter.
-    pub fn retry_delay(mut self, delay: Duration) -> Self {
-        self.retry_delay = Some(delay);
-        self
-    }
-
-    /// An upper bound on the total time spent trying. Without `retries`, the request keeps
-    /// trying until this much time has passed; with both, whichever ends first. A wait longer
-    /// than [`MAX_TTL`] (such as `Duration::MAX`) sets no time bound.
-    pub fn wait(mut self, wait: Duration) -> Self {
-        self.wait = Some(wait);
-        self
-    }
-
-    /// Draw a fencing token for every lock of the set, from that key's own counter (the one
-    /// single locks on the key draw from). See [`MultiGuard::fencing_token`].
-    pub fn fencing(mut self, fencing: bool) -> Self {
-        self.fencing = fencing;
-        self
-    }
-
-    /// Renew every lease of the set while the guard lives, in the manager's batched renewal.
-    /// The guard is lost as soon as any one lease is.
-    pub fn watchdog(mut self, watchdog: bool) -> Self {
-        self.watchdog = watchdog;
-        self
-    }
-
-    /// With `watchdog`: stop renewing after this long. Default: the manager's (1 hour).
-    pub fn max_hold(mut self, max_hold: Duration) -> Self {
-        self.max_hold = Some(max_hold);
-        self
-    }
-
-    /// A key of the set that code running inside a reentrant hold of it asks for again (see
-    /// [`LockRequest::reentrant`](crate::LockRequest::reentrant)) becomes a nested hold of
-    /// that key; the other keys are taken as usual. Without it, such a key fails the request
-    /// at once with [`LockError::WouldDeadlock`].
-    pub fn reentrant(mut self, reentrant: bool) -> Self {
-        self.reentrant = reentrant;
-        self
-    }
-
-    /// Names this request in metrics and tracing (the `template` label), in place of
-    /// `<manual>`, as [`LockRequest::label`](crate::LockRequest::label) does: the shape of
-    /// the keys, such as `"transfer:{from}:{to}"`, never the keys themselves. Keys of the set
-    /// that are nested holds of this task's own locks carry it too.
-    pub fn label(self, label: &'static str) -> Self {
-        self.template(label)
-    }
-
-    #[doc(hidden)]
-    /// The key templates this request was formatted from, as a low-cardinality tracing label.
-    pub fn template(mut self, template: &'static str) -> Self {
-        self.template = Some(template);
-        self
-    }
-
+impl MultiLockRequest<'_> {
     /// Takes every lock of the set, retrying within the request's bounds; a busy set waits
     /// for a release of the key it found busy.
     ///
     /// Errors: those of [`LockRequest::acquire`](crate::LockRequest::acquire), naming the key
     /// found busy (or lost); [`LockError::InvalidInput`] for an empty set as well, and
-    /// [`LockError::ShutDown`] once [`LockManager::shutdown`] was called.
+    /// [`LockError::ShutDown`] once [`LockManager::shutdown`](crate::LockManager::shutdown)
+    /// was called, also for a request that was waiting then.
     ///
     /// Cancel-safe: if this future is dropped while an attempt is in flight, a release of the
     /// whole set is sent right behind it.
-    pub async fn acquire(self) -> Result<MultiGuard, LockError> {
-        let plan = self.plan()?;
+    pub async fn acquire(mut self) -> Result<MultiGuard, LockError> {
+        let plan = self.plan_set()?;
+        if self.manager.inner.holds.is_shut_down() {
+            return Err(LockError::ShutDown);
+        }
         let names: Vec<&str> = plan.keys.iter().map(|k| k.name.as_str()).collect();
         let span =
             tracing::debug_span!("lock.acquire_all", template = plan.template, keys = ?names);
-        let holds = &self.manager.inner.holds;
-        if holds.is_shut_down() {
-            return Err(LockError::ShutDown);
-        }
-        let acquiring = Box::pin(acquire(self.manager, plan, self.record).instrument(span));
-        let guard = tokio::select! {
-            acquired = acquiring => acquired?,
-            () = holds.until_shut_down() => return Err(LockError::ShutDown),
-        };
+        let guard = Box::pin(acquire(self.manager, plan).instrument(span)).await?;
         if guard.listing == Listing::Unlisted {
             // Granted while the manager shut down: dropping it gives it back.
             return Err(LockError::ShutDown);
@@ -248,86 +61,30 @@ impl<'m> MultiLockRequest<'m> {
             Err(e) => Err(e),
         }
     }
-
-    fn plan(&self) -> Result<Plan, LockError> {
-        let defaults = self.manager.defaults();
-        let mut keys: Vec<Keys> = Vec::with_capacity(self.keys.len());
-        for name in &self.keys {
-            let key = Keys::new(&self.manager.inner.prefix, name.clone())?;
-            if keys.iter().all(|k| k.lock != key.lock) {
-                keys.push(key);
-            }
-        }
-        if keys.is_empty() {
-            return Err(LockError::invalid(
-                "keys",
-                "`lock_all` needs at least one key",
-            ));
-        }
-        let ttl = self.ttl.unwrap_or(defaults.ttl);
-        check_ttl(ttl).map_err(|reason| {
-            LockError::invalid("ttl", format!("the lease of a lock set {reason}"))
-        })?;
-        if self.fencing && !self.manager.inner.backend.capabilities().fencing {
-            return Err(LockError::invalid(
-                "fencing",
-                "fencing tokens need one counter; RedLock masters count independently",
-            ));
-        }
-        if self.max_hold.is_some_and(|v| v.is_zero()) {
-            return Err(LockError::invalid(
-                "max_hold",
-                "`max_hold` must be greater than zero",
-            ));
-        }
-        let retries = match (self.retries, self.wait) {
-            (Some(retries), _) => retries,
-            (None, Some(_)) => u32::MAX,
-            (None, None) if defaults.wait.is_some() && defaults.retries == 0 => u32::MAX,
-            (None, None) => defaults.retries,
-        };
-        Ok(Plan {
-            keys,
-            template: self.template.unwrap_or("<manual>"),
-            ttl,
-            retries,
-            backoff: Backoff::new(self.retry_delay.unwrap_or(defaults.retry_delay)),
-            // Longer than any lease: no time bound at all.
-            wait: self.wait.or(defaults.wait).filter(|wait| *wait <= MAX_TTL),
-            fencing: self.fencing,
-            watchdog: self.watchdog,
-            max_hold: self.max_hold.or(defaults.max_hold),
-            reentrant: self.reentrant,
-        })
-    }
 }
 
-async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<MultiGuard, LockError> {
+async fn acquire(manager: &LockManager, plan: Plan<Vec<Keys>>) -> Result<MultiGuard, LockError> {
     let inner = &manager.inner;
-    let manager_id = Arc::as_ptr(inner) as usize;
     let names: Vec<String> = plan.keys.iter().map(|k| k.name.clone()).collect();
     // Keys this code already holds are nested holds of those locks, granted at once (or
     // refused at once); the others form the set taken in one attempt.
-    let (outer, fresh): (Vec<Keys>, Vec<Keys>) = plan
-        .keys
-        .iter()
-        .cloned()
-        .partition(|k| context::find(manager_id, &k.lock).is_some());
-    let mut nested = Vec::with_capacity(outer.len());
-    for keys in outer {
-        let mut request = manager
-            .lock(keys.name.clone())
-            .template(plan.template)
-            .ttl(plan.ttl)
-            .reentrant(plan.reentrant)
-            .fencing(plan.fencing)
-            .watchdog(plan.watchdog);
-        if let Some(max_hold) = plan.max_hold {
-            request = request.max_hold(max_hold);
-        }
-        nested.push(request.acquire().await?);
+    let mut nested = Vec::new();
+    let mut fresh = Vec::with_capacity(plan.keys.len());
+    for keys in &plan.keys {
+        let one = plan.with_keys(keys.clone());
+        let (labels, timer) = (one.metrics, crate::metrics::Timer::start());
+        // Counted as the acquisitions they are, under the set's label.
+        let taken = match lock::outer_hold(manager, RequestKind::Exclusive, &one) {
+            Ok(None) => {
+                fresh.push(keys.clone());
+                continue;
+            }
+            Ok(Some(held)) => Ok(lock::nested(manager, one, held)),
+            Err(error) => Err(error),
+        };
+        crate::metrics::acquire_ended(labels, timer, &taken);
+        nested.push(taken?);
     }
-    let token = new_token(manager.inner.waiters.tag());
     let request = SetRequest {
         keys: fresh
             .iter()
@@ -337,229 +94,101 @@ async fn acquire(manager: &LockManager, plan: Plan, record: bool) -> Result<Mult
                 wake: k.wake(),
             })
             .collect(),
-        token: token.clone(),
+        token: new_token(inner.waiters.tag()),
         lease: plan.ttl,
-        fencing: plan.fencing,
+        fencing: plan.options.fencing,
     };
     let started = Instant::now();
-    if fresh.is_empty() {
-        let acquired = Acquired {
-            attempts: 1,
-            waited: started.elapsed(),
-            sent: started,
+    let (fences, sent, attempts) = if fresh.is_empty() {
+        (Vec::new(), started, 1)
+    } else {
+        let engine = Engine::new(inner, &request, &plan, &fresh, started);
+        let outcome = engine.wait(None, false).await?;
+        let Won::Asked { won, sent } = outcome.won else {
+            unreachable!("a set stands ready for no hand-off");
         };
-        return Ok(grant(
-            manager,
-            &plan,
-            names,
-            fresh,
-            request,
-            Vec::new(),
-            nested,
-            acquired,
-            record,
-        ));
-    }
-    let deadline = plan.wait.map(|wait| started + wait);
-    let mut in_flight = InFlight {
-        manager,
-        request: &request,
-        maybe_held: false,
+        (won, sent, outcome.attempts)
     };
-    let give_up = |attempts, at: usize, failure: Option<redis::RedisError>| match failure {
-        Some(error) => LockError::redis(&fresh[at].name, error),
-        None => LockError::Busy {
-            key: fresh[at].name.clone(),
-            attempts,
-            waited: started.elapsed(),
-            holder_token: None,
-            holder: None,
-        },
+    let acquired = Acquired {
+        attempts,
+        waited: started.elapsed(),
+        sent,
     };
-    // A set that may wait follows the wake channel of the lock it last found busy, in that
-    // lock's local queue.
-    let queues = plan.retries > 0;
-    let mut ticket: Option<(usize, Ticket)> = None;
-    let mut failure: Option<redis::RedisError>;
-    let mut attempts = 0u32;
-    let mut busy_at = 0usize;
-    let mut just_joined = false;
-    loop {
-        if let Some((at, ticket)) = &ticket {
-            let turn = async {
-                ticket.until_head().await;
-                ticket.subscribe().await;
-            };
-            match deadline {
-                Some(deadline) => tokio::select! {
-                    () = turn => {}
-                    _ = inner.sleep_until(deadline) => {
-                        return Err(give_up(attempts, *at, ticket.last_failure()));
-                    }
-                },
-                None => turn.await,
-            }
-        }
-        let mut seen = ticket.as_ref().map(|(_, t)| t.wakes());
-        attempts += 1;
-        let sent = Instant::now();
-        in_flight.maybe_held = true;
-        let attempt = request.clone();
-        let outcome = inner
-            .exec(move |backend| async move { backend.acquire_set(&attempt).await })
-            .await?;
-        if outcome.is_ok() {
-            inner.waiters.attempted();
-        }
-        let holder_ttl = match outcome {
-            Ok(SetAttempt::Held { fences }) => {
-                in_flight.maybe_held = false;
-                drop(in_flight);
-                let acquired = Acquired {
-                    attempts,
-                    waited: started.elapsed(),
-                    sent,
-                };
-                tracing::debug!(attempts, waited = ?acquired.waited, "acquired");
-                return Ok(grant(
-                    manager, &plan, names, fresh, request, fences, nested, acquired, record,
-                ));
-            }
-            Ok(SetAttempt::Busy { at, holder_ttl }) => {
-                in_flight.maybe_held = false;
-                failure = None;
-                busy_at = at.min(fresh.len() - 1);
-                holder_ttl
-            }
-            Ok(SetAttempt::Unreplicated { acked, wanted }) => {
-                in_flight.maybe_held = false;
-                return Err(LockError::NotReplicated {
-                    key: fresh[0].name.clone(),
-                    acked,
-                    wanted,
-                });
-            }
-            Err(error) if is_transient(&error) => {
-                tracing::debug!(attempts, %error, "acquire attempt failed");
-                failure = Some(error);
-                None
-            }
-            Err(error) => return Err(LockError::redis(&fresh[busy_at].name, error)),
-        };
-        if let Some((_, ticket)) = &ticket {
-            ticket.heard(failure.clone());
-        }
-        let now = Instant::now();
-        if attempts > plan.retries || deadline.is_some_and(|d| d <= now) {
-            return Err(give_up(attempts, busy_at, failure));
-        }
-        let follows = ticket.as_ref().is_some_and(|(at, _)| *at == busy_at);
-        if queues && failure.is_none() && !follows {
-            // Busy on a lock not followed yet: queue for it. Look again at once after
-            // subscribing (a release in between publishes unheard), unless that was just done.
-            let labels = crate::metrics::Labels::new(plan.template, RequestKind::Exclusive);
-            let joined = inner.waiters.join(
-                &request.keys[busy_at].wake,
-                &inner.backend,
-                &inner.driver,
-                labels,
-            );
-            joined.heard(None);
-            seen = Some(joined.wakes());
-            ticket = Some((busy_at, joined));
-            if !just_joined {
-                just_joined = true;
-                continue;
-            }
-        }
-        just_joined = false;
-        let mut until = now + plan.backoff.delay(attempts, holder_ttl);
-        if let Some(deadline) = deadline {
-            until = until.min(deadline);
-        }
-        match &ticket {
-            Some((_, waiting)) => {
-                let seen = seen.unwrap_or_default();
-                tokio::select! {
-                    () = waiting.woken_since(seen) => {}
-                    _ = inner.sleep_until(until) => {}
-                }
-            }
-            None => {
-                let _ = inner.sleep_until(until).await;
-            }
-        }
-        if deadline.is_some_and(|d| d <= Instant::now()) {
-            let last = match &ticket {
-                Some((_, ticket)) => ticket.last_failure(),
-                None => failure,
-            };
-            return Err(give_up(attempts, busy_at, last));
-        }
-    }
+    tracing::debug!(attempts, waited = ?acquired.waited, "acquired");
+    let taken = Taken {
+        names,
+        fresh,
+        request,
+        fences,
+        nested,
+    };
+    Ok(grant_set(manager, &plan, taken, acquired))
 }
 
-/// Builds the guard of a granted set: one lease for the set, its renewals, and its place in
-/// the acquisition context.
-#[allow(clippy::too_many_arguments)]
-fn grant(
-    manager: &LockManager,
-    plan: &Plan,
+/// What a set request took: its keys, the locks it took itself and their fencing tokens, and
+/// the nested holds of keys this code already held.
+struct Taken {
     names: Vec<String>,
     fresh: Vec<Keys>,
     request: SetRequest,
     fences: Vec<u64>,
     nested: Vec<LockGuard>,
+}
+
+/// Builds the guard of a granted set: one lease for the set, its renewals, and its place in
+/// the acquisition context.
+fn grant_set(
+    manager: &LockManager,
+    plan: &Plan<Vec<Keys>>,
+    taken: Taken,
     acquired: Acquired,
-    record: bool,
 ) -> MultiGuard {
     let inner = &manager.inner;
-    let lease = Arc::new(LeaseState::new(acquired.sent, plan.ttl));
-    // One hold identity per lock, shared by its renewal, its context entry and its release.
-    let ids: Vec<Arc<HoldIds>> = request
-        .keys
-        .iter()
-        .map(|key| Arc::new(hold_ids(key, &request.token)))
-        .collect();
+    let Taken {
+        names,
+        fresh,
+        request,
+        fences,
+        nested,
+    } = taken;
     // Every lease of the set shares one state: a renewal that finds any lock gone marks the
     // whole set lost.
-    let renewals = if plan.watchdog && !fresh.is_empty() {
-        ids.iter()
-            .map(|hold| {
-                let target = Target {
-                    hold: hold.clone(),
-                    metrics: crate::metrics::Labels::new(plan.template, RequestKind::Exclusive),
-                };
-                inner
-                    .watchdog
-                    .register(inner, target, lease.clone(), acquired.sent, plan.max_hold)
-            })
-            .collect()
-    } else {
-        Vec::new()
-    };
-    let held: Vec<Arc<Held>> = ids
-        .into_iter()
-        .zip(&fences)
-        .map(|(ids, &fence)| {
-            Arc::new(Held {
-                manager: Arc::as_ptr(inner) as usize,
-                reentrant: plan.reentrant,
-                kind: Kind::Exclusive,
-                ids,
-                fence,
-                lease: lease.clone(),
-                guards: AtomicUsize::new(1),
-                keep_until: Mutex::new(None),
-                cohort: false,
-                passes: 0,
-            })
-        })
-        .collect();
-    if record {
-        held.iter().for_each(context::record);
+    let lease = Arc::new(LeaseState::new(acquired.sent, plan.ttl));
+    let mut renewals = Vec::with_capacity(request.keys.len());
+    let mut held = Vec::with_capacity(request.keys.len());
+    for (key, &fence) in request.keys.iter().zip(&fences) {
+        // One hold identity per lock, shared by its renewal, its context entry and its
+        // release.
+        let ids = Arc::new(hold_ids(key, &request.token));
+        renewals.extend(lock::renewal(inner, plan, &ids, &lease, acquired.sent));
+        let start = (fence, None, 0);
+        held.push(Held::first(
+            inner,
+            plan,
+            Kind::Exclusive,
+            ids,
+            lease.clone(),
+            start,
+        ));
     }
-    // Each lock of the set is listed as the first hold it is, for shutdown to give back.
+    let listing = list(inner, &request, &lease);
+    MultiGuard {
+        listing,
+        manager: manager.clone(),
+        names,
+        fresh,
+        fences: plan.options.fencing.then_some(fences),
+        request,
+        nested,
+        lease,
+        acquired,
+        renewals,
+        held,
+    }
+}
+
+/// Lists each lock of the set as the first hold it is, for shutdown to give back.
+fn list(inner: &Inner, request: &SetRequest, lease: &Arc<LeaseState>) -> Listing {
     let mut ids = Vec::with_capacity(request.keys.len());
     let mut after_shutdown = false;
     for key in &request.keys {
@@ -573,42 +202,53 @@ fn grant(
             None => after_shutdown = true,
         }
     }
-    let listing = if after_shutdown {
+    if after_shutdown {
         for id in ids {
             inner.holds.unlist(id);
         }
         Listing::Unlisted
     } else {
         Listing::Listed(ids)
-    };
-    MultiGuard {
-        listing,
-        manager: manager.clone(),
-        names,
-        fresh,
-        fences: plan.fencing.then_some(fences),
-        request,
-        nested,
-        lease,
-        acquired,
-        renewals,
-        held,
     }
 }
 
-/// An attempt whose answer has not arrived: if the request is dropped here, the set may be
-/// held on the server, so a release is sent behind it.
-struct InFlight<'a> {
-    manager: &'a LockManager,
-    request: &'a SetRequest,
-    maybe_held: bool,
-}
+impl Ask for SetRequest {
+    type Won = Vec<u64>;
 
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        if self.maybe_held {
-            release_behind_attempt(self.manager, self.request.clone());
-        }
+    async fn send(&self, inner: &Inner) -> Result<redis::RedisResult<Reply<Vec<u64>>>, LockError> {
+        let attempt = self.clone();
+        let outcome = inner
+            .exec(move |backend| async move { backend.acquire_set(&attempt).await })
+            .await?;
+        Ok(outcome.map(|attempt| match attempt {
+            SetAttempt::Held { fences } => Reply::Held(fences),
+            SetAttempt::Busy { at, holder_ttl } => Reply::Busy {
+                at,
+                holder_ttl,
+                holder: None,
+            },
+            SetAttempt::Unreplicated { acked, wanted } => Reply::Unreplicated { acked, wanted },
+        }))
+    }
+
+    fn token(&self) -> &str {
+        &self.token
+    }
+
+    fn wake(&self, at: usize) -> &str {
+        &self.keys[at].wake
+    }
+
+    fn release_behind(&self, inner: &Arc<Inner>, _intent: Option<String>) {
+        release_behind_attempt(inner, self.clone());
+    }
+
+    async fn give_back(&self, inner: &Inner) -> Option<bool> {
+        let request = self.clone();
+        let released = inner
+            .exec(move |backend| async move { backend.release_set(&request).await })
+            .await;
+        Some(released.ok()?.ok()?.contains(&true))
     }
 }
 
@@ -938,7 +578,7 @@ impl Drop for MultiGuard {
                 return;
             }
             // From the manager's own runtime, which outlives the caller's.
-            let release = release_logged(self.manager.inner.clone(), request);
+            let release = release_set_logged(self.manager.inner.clone(), request);
             self.manager.inner.driver.spawn(release);
         }
     }
@@ -959,8 +599,8 @@ impl fmt::Debug for MultiGuard {
 /// Sends a release of a whole set right behind an attempt whose caller gave up: on the
 /// caller's runtime, queued before this returns on the connection the attempt went out on
 /// (outside any runtime, from the manager's own).
-fn release_behind_attempt(manager: &LockManager, request: SetRequest) {
-    let release = release_logged(manager.inner.clone(), request);
+fn release_behind_attempt(inner: &Arc<Inner>, request: SetRequest) {
+    let release = release_set_logged(inner.clone(), request);
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
             // One poll queues the request on the connection; the task finishes the rest.
@@ -970,12 +610,12 @@ fn release_behind_attempt(manager: &LockManager, request: SetRequest) {
                 drop(runtime.spawn(release));
             }
         }
-        Err(_) => manager.inner.driver.spawn(release),
+        Err(_) => inner.driver.spawn(release),
     }
 }
 
 /// Gives back a whole set; the outcome is only logged.
-async fn release_logged(inner: Arc<Inner>, request: SetRequest) {
+async fn release_set_logged(inner: Arc<Inner>, request: SetRequest) {
     match inner.backend.release_set(&request).await {
         Ok(released) => {
             for (yes, key) in released.into_iter().zip(&request.keys) {

@@ -1,0 +1,493 @@
+//! Requests: what to lock ([`Single`] lock or a [`KeySet`]) and the options to take it with,
+//! written once for both, resolved against the manager's defaults into a [`Plan`] that the
+//! acquire engine carries out.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::LockError;
+use crate::context::RequestKind;
+use crate::key::Keys;
+use crate::lease::{MAX_TTL, check_ttl};
+use crate::manager::LockManager;
+use crate::metrics::Labels;
+use crate::retry::Backoff;
+
+/// A request for a lock (or, as [`MultiLockRequest`], for a set of locks taken together),
+/// built by [`LockManager::lock`] and its siblings; send it with `acquire` or `try_acquire`.
+///
+/// Options not set here come from the manager's defaults. They mirror the arguments of
+/// `#[distributed_lock]`, by the same names, and apply to every lock of a set.
+#[must_use = "a lock request does nothing until `acquire().await` or `try_acquire().await`"]
+pub struct LockRequest<'m, T = Single> {
+    pub(crate) manager: &'m LockManager,
+    pub(crate) target: T,
+    pub(crate) options: Options,
+}
+
+/// A request for several exclusive locks taken together, built by
+/// [`LockManager::lock_all`]: either every one is held or none is.
+pub type MultiLockRequest<'m> = LockRequest<'m, KeySet>;
+
+/// What a [`LockRequest`] is for: one lock of one kind.
+#[derive(Debug)]
+pub struct Single {
+    pub(crate) kind: RequestKind,
+    pub(crate) key: String,
+}
+
+/// What a [`MultiLockRequest`] is for: the exclusive locks of several keys, as named.
+#[derive(Debug)]
+pub struct KeySet {
+    pub(crate) keys: Vec<String>,
+}
+
+/// The options of a request as the caller set them (`None` or `false`: not set).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Options {
+    pub(crate) template: Option<&'static str>,
+    pub(crate) ttl: Option<Duration>,
+    pub(crate) retries: Option<u32>,
+    pub(crate) retry_delay: Option<Duration>,
+    pub(crate) wait: Option<Duration>,
+    pub(crate) fencing: bool,
+    pub(crate) watchdog: bool,
+    pub(crate) max_hold: Option<Duration>,
+    pub(crate) reentrant: bool,
+    pub(crate) min_hold: Option<Duration>,
+    pub(crate) fair: bool,
+    /// Opted out of local passes.
+    pub(crate) no_cohort: bool,
+    /// A busy error does not name the holder (`try_acquire` drops the error).
+    pub(crate) quiet: bool,
+    /// The hold is left out of the current frame: an annotated call records it in the frame
+    /// it opens for its body instead.
+    pub(crate) unrecorded: bool,
+}
+
+impl<T: fmt::Debug> fmt::Debug for LockRequest<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockRequest")
+            .field("target", &self.target)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LockManager {
+    /// Starts a request for the exclusive lock named `key`.
+    ///
+    /// One name is one lock, whatever kinds it is used through: an exclusive lock waits while
+    /// the key is held as a read or write lock, a semaphore, or kept by another holder's
+    /// `min_hold`, and keeps all of them out while it is held.
+    ///
+    /// The key is checked when the request is sent: it must not be empty and may be at most
+    /// [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes.
+    pub fn lock(&self, key: impl Into<String>) -> LockRequest<'_> {
+        self.single(RequestKind::Exclusive, key.into())
+    }
+
+    /// Starts a request for the read side of the read-write lock named `key`: any number of
+    /// readers hold it together, each with its own owner token and lease, while no writer
+    /// does. A writer that is waiting keeps new readers out, so readers cannot starve it.
+    ///
+    /// A task that holds the write lock may take the read lock too (downgrade); the lock stays
+    /// exclusive until the write hold is released. Readers overlap only with readers: an
+    /// exclusive lock, a semaphore permit or a `min_hold` on the same key makes them wait.
+    pub fn read_lock(&self, key: impl Into<String>) -> LockRequest<'_> {
+        self.single(RequestKind::Read, key.into())
+    }
+
+    /// Starts a request for the write side of the read-write lock named `key`: held by one
+    /// owner, while no reader holds the read side. A task holding the read lock that asks for
+    /// the write lock gets [`LockError::Upgrade`] at once. Like an exclusive lock, it waits
+    /// for (and keeps out) every other kind of lock on the same key.
+    pub fn write_lock(&self, key: impl Into<String>) -> LockRequest<'_> {
+        self.single(RequestKind::Write, key.into())
+    }
+
+    /// Starts a request for one permit of the counting semaphore named `key`: at most
+    /// `permits` holders at a time, each with its own owner token and lease, so the permit of
+    /// a holder that dies returns by itself when its lease ends. Permit holders overlap only
+    /// with each other: any other kind of lock on the key makes them wait.
+    ///
+    /// The key remembers the `permits` it is in use with: while any permit is held, a request
+    /// with another number fails at once with [`LockError::PermitsMismatch`] (all users of one
+    /// key must agree on it); once every permit has been returned, another number may be
+    /// used. Zero is an error.
+    pub fn semaphore(&self, key: impl Into<String>, permits: u32) -> LockRequest<'_> {
+        self.single(RequestKind::Permits(permits), key.into())
+    }
+
+    /// Starts a request for the exclusive locks named `keys`, taken together: either every
+    /// one is held or none is.
+    ///
+    /// The order of `keys` does not matter: two requests that list the same keys in opposite
+    /// orders never deadlock, because a request never holds some of its keys while it waits
+    /// for the others. Names that are equal are taken once. Each lock is the same lock that
+    /// [`lock`](Self::lock) takes on that name, so a set waits for (and keeps out) single
+    /// locks and every other kind of lock on any of its keys.
+    ///
+    /// ```no_run
+    /// # async fn run(locks: distlock_runtime::LockManager) -> Result<(), distlock_runtime::LockError> {
+    /// use std::time::Duration;
+    ///
+    /// let guard = locks
+    ///     .lock_all(["account:1", "account:2"])
+    ///     .ttl(Duration::from_secs(10))
+    ///     .wait(Duration::from_secs(5))
+    ///     .acquire()
+    ///     .await?;
+    /// // ... move the money ...
+    /// guard.release().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn lock_all<I>(&self, keys: I) -> MultiLockRequest<'_>
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        let keys = keys.into_iter().map(Into::into).collect();
+        LockRequest {
+            manager: self,
+            target: KeySet { keys },
+            options: Options::default(),
+        }
+    }
+
+    fn single(&self, kind: RequestKind, key: String) -> LockRequest<'_> {
+        LockRequest {
+            manager: self,
+            target: Single { kind, key },
+            options: Options::default(),
+        }
+    }
+}
+
+impl<T> LockRequest<'_, T> {
+    /// Leaves the hold out of the current frame: the caller runs the code it protects in a
+    /// frame of its own that holds it.
+    pub(crate) fn unrecorded(mut self) -> Self {
+        self.options.unrecorded = true;
+        self
+    }
+
+    /// The lease: how long the lock stays held if its holder stops renewing or releasing it.
+    /// Must be at least 1 ms and at most [`MAX_TTL`].
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.options.ttl = Some(ttl);
+        self
+    }
+
+    /// Extra attempts after the first when the lock (any lock of a set) is busy or Redis
+    /// fails transiently.
+    pub fn retries(mut self, retries: u32) -> Self {
+        self.options.retries = Some(retries);
+        self
+    }
+
+    /// The base delay between attempts; it doubles per attempt (up to 32×, and at most
+    /// [`MAX_TTL`]) with full jitter.
+    pub fn retry_delay(mut self, delay: Duration) -> Self {
+        self.options.retry_delay = Some(delay);
+        self
+    }
+
+    /// An upper bound on the total time spent trying. Without `retries`, the request keeps
+    /// trying until this much time has passed; with both, whichever ends first. A wait longer
+    /// than [`MAX_TTL`] (such as `Duration::MAX`) sets no time bound.
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.options.wait = Some(wait);
+        self
+    }
+
+    /// Draw a fencing token: a per-key number that grows with every acquisition, for storage
+    /// that must reject writes from a holder whose lease has ended. See
+    /// [`LockGuard::fencing_token`](crate::LockGuard::fencing_token). The counter stays in
+    /// Redis after release. A set draws one per key, from the counter single locks on that
+    /// key draw from ([`MultiGuard::fencing_token`](crate::MultiGuard::fencing_token)).
+    pub fn fencing(mut self, fencing: bool) -> Self {
+        self.options.fencing = fencing;
+        self
+    }
+
+    /// Renew the lease while the guard lives: the manager's watchdog extends it at about a
+    /// third of the TTL, in one batched round trip for all leases due, and stops the moment
+    /// the guard is released or dropped, or when `max_hold` has passed. A renewal that finds
+    /// the lock gone or taken marks the lease lost
+    /// ([`LockGuard::lost`](crate::LockGuard::lost)); a set is lost as soon as any one of
+    /// its leases is.
+    pub fn watchdog(mut self, watchdog: bool) -> Self {
+        self.options.watchdog = watchdog;
+        self
+    }
+
+    /// With `watchdog`: stop renewing after this long, whatever the holder does, so a body
+    /// that never finishes cannot hold the lock forever. Default: the manager's (1 hour).
+    /// `Duration::MAX` renews for as long as the guard lives.
+    pub fn max_hold(mut self, max_hold: Duration) -> Self {
+        self.options.max_hold = Some(max_hold);
+        self
+    }
+
+    /// Allow a nested acquisition of the same key, by code running inside this hold (see
+    /// [`scope`](crate::scope)), to succeed: it shares the outer hold's owner token and adds one
+    /// to the hold count in Redis; the lock is free once every hold is released. Both the
+    /// outer and the nested request must be reentrant. Without it, a nested acquisition fails
+    /// at once with [`LockError::WouldDeadlock`]. A key of a set that is such a nested
+    /// acquisition becomes a nested hold of that key; the other keys are taken as usual.
+    pub fn reentrant(mut self, reentrant: bool) -> Self {
+        self.options.reentrant = reentrant;
+        self
+    }
+
+    /// Keep the key at least this long after the acquisition, even when released sooner:
+    /// release leaves it to expire at acquisition + `min_hold` (owned by nobody) instead of
+    /// deleting it. For scheduled jobs that must run at most once per period across nodes
+    /// whose clocks differ. It must not be longer than the lease. Not for sets: a set with it
+    /// gets [`LockError::InvalidInput`].
+    pub fn min_hold(mut self, min_hold: Duration) -> Self {
+        self.options.min_hold = Some(min_hold);
+        self
+    }
+
+    /// Take the lock in strict arrival order across every process: waiters queue in Redis
+    /// (one queue per key, next to the lock), and a release grants the lock to the oldest
+    /// waiter in the same step, then tells that waiter, which nobody can overtake meanwhile.
+    ///
+    /// Each queue entry has a short lease of its own, renewed while its waiter waits: a
+    /// waiter whose process dies drops out of the queue within seconds instead of blocking
+    /// it, and one that gives up (its `wait` or `retries` run out, or its future is dropped)
+    /// takes its entry out at once. A lock granted to a waiter that died meanwhile is held for
+    /// two seconds at most. `try_acquire` never queues: it takes the lock only when nobody
+    /// is waiting.
+    ///
+    /// For exclusive locks on one Redis deployment (single node, Sentinel or Cluster), without
+    /// `fencing` or `min_hold`, and not for sets; other requests get
+    /// [`LockError::InvalidInput`]. The order binds fair requests: use `fair` for every
+    /// request on the key, as a request without it may take the lock whenever it is free.
+    pub fn fair(mut self, fair: bool) -> Self {
+        self.options.fair = fair;
+        self
+    }
+
+    /// Whether this lock may pass among this manager's own tasks without a server command
+    /// (default: yes). When a holder releases while another task of the same manager waits
+    /// for the same plain exclusive lock, the lock passes to that task as it is — the key in
+    /// Redis keeps its owner token and lease, and the new holder gets a guard of its own on
+    /// that server hold — up to the manager's [cohort bounds](crate::LockManagerBuilder::cohort),
+    /// then goes back to Redis so that other processes get their turn. Both the releasing and
+    /// the waiting request must allow it. `false`: every hand-over goes through the server.
+    ///
+    /// Only plain exclusive locks pass locally, and only to a waiter that asked for the same
+    /// `ttl` as the holder, while at least half of the lease is left (otherwise the lock goes
+    /// through the server, which gives the waiter a lease of its own). Fenced locks (each
+    /// holder draws a new token from the server), `min_hold`, fair locks, read-write locks,
+    /// semaphores and sets never pass locally, and neither does any lock on RedLock or with
+    /// `sync_replicas`.
+    pub fn cohort(mut self, cohort: bool) -> Self {
+        self.options.no_cohort = !cohort;
+        self
+    }
+
+    /// Names this request in metrics and tracing (the `template` label), in place of
+    /// `<manual>`. Give the shape of the key, such as `"order:{id}"` or
+    /// `"transfer:{from}:{to}"`, never the key itself: one name per kind of lock keeps the
+    /// number of series small. Annotated functions pass their key template. Keys of a set
+    /// that are nested holds of this task's own locks carry it too.
+    pub fn label(self, label: &'static str) -> Self {
+        self.template(label)
+    }
+
+    #[doc(hidden)]
+    /// The key template this request was formatted from, as a low-cardinality tracing label.
+    pub fn template(mut self, template: &'static str) -> Self {
+        self.options.template = Some(template);
+        self
+    }
+
+    /// Every option resolved against the manager's defaults and checked, for `keys` of
+    /// `kind` (`what` names them in a lease error); the target's own checks come after.
+    pub(crate) fn plan<K>(
+        &self,
+        kind: RequestKind,
+        keys: K,
+        what: &str,
+    ) -> Result<Plan<K>, LockError> {
+        let (manager, options) = (self.manager, self.options);
+        let defaults = manager.defaults();
+        let ttl = options.ttl.unwrap_or(defaults.ttl);
+        check_ttl(ttl)
+            .map_err(|reason| LockError::invalid("ttl", format!("the lease of {what} {reason}")))?;
+        if options.fencing && !manager.inner.backend.capabilities().fencing {
+            return Err(LockError::invalid(
+                "fencing",
+                "fencing tokens need one counter; RedLock masters count independently",
+            ));
+        }
+        for (what, value) in [
+            ("max_hold", options.max_hold),
+            ("min_hold", options.min_hold),
+        ] {
+            if value.is_some_and(|v| v.is_zero()) {
+                return Err(LockError::invalid(
+                    what,
+                    format!("`{what}` must be greater than zero"),
+                ));
+            }
+        }
+        // With only a time bound, keep trying until it runs out.
+        let retries = match (options.retries, options.wait) {
+            (Some(retries), _) => retries,
+            (None, Some(_)) => u32::MAX,
+            (None, None) if defaults.wait.is_some() && defaults.retries == 0 => u32::MAX,
+            (None, None) => defaults.retries,
+        };
+        let template = options.template.unwrap_or("<manual>");
+        Ok(Plan {
+            keys,
+            kind,
+            template,
+            ttl,
+            retries,
+            backoff: Backoff::new(options.retry_delay.unwrap_or(defaults.retry_delay)),
+            // Longer than any lease: no time bound at all.
+            wait: options
+                .wait
+                .or(defaults.wait)
+                .filter(|wait| *wait <= MAX_TTL),
+            max_hold: options.max_hold.or(defaults.max_hold),
+            options,
+            metrics: Labels::new(template, kind),
+        })
+    }
+}
+
+/// A request with every option resolved and checked: `keys` are those of one lock ([`Keys`])
+/// or of a set (a `Vec` of them). The flags are read from `options` as the caller set them.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan<K> {
+    pub(crate) keys: K,
+    pub(crate) kind: RequestKind,
+    pub(crate) template: &'static str,
+    pub(crate) ttl: Duration,
+    pub(crate) retries: u32,
+    pub(crate) backoff: Backoff,
+    pub(crate) wait: Option<Duration>,
+    pub(crate) max_hold: Option<Duration>,
+    pub(crate) options: Options,
+    pub(crate) metrics: Labels,
+}
+
+impl<K> Plan<K> {
+    /// The same plan, for other keys (a set's plan for one of its keys).
+    pub(crate) fn with_keys<L>(&self, keys: L) -> Plan<L> {
+        Plan {
+            keys,
+            kind: self.kind,
+            template: self.template,
+            ttl: self.ttl,
+            retries: self.retries,
+            backoff: self.backoff,
+            wait: self.wait,
+            max_hold: self.max_hold,
+            options: self.options,
+            metrics: self.metrics,
+        }
+    }
+}
+
+impl LockRequest<'_> {
+    /// The plan of a request for one lock: the common checks, then those of its kind.
+    pub(crate) fn plan_single(&mut self) -> Result<Plan<Keys>, LockError> {
+        let key = std::mem::take(&mut self.target.key);
+        let keys = Keys::new(&self.manager.inner.prefix, key)?;
+        let what = format!("`{}`", keys.name);
+        let plan = self.plan(self.target.kind, keys, &what)?;
+        check_kind(self.manager, &plan)?;
+        Ok(plan)
+    }
+}
+
+/// The checks of a single lock's kind against its options and the backend.
+fn check_kind(manager: &LockManager, plan: &Plan<Keys>) -> Result<(), LockError> {
+    let capabilities = manager.inner.backend.capabilities();
+    let (kind, options, name) = (plan.kind, &plan.options, &plan.keys.name);
+    if kind != RequestKind::Exclusive && !capabilities.shared_kinds {
+        return Err(LockError::invalid(
+            "lock kind",
+            "read-write locks and semaphores are not available with RedLock",
+        ));
+    }
+    if options.fair {
+        let refused = if kind != RequestKind::Exclusive {
+            Some("fair locks are exclusive: not for read-write locks or semaphores")
+        } else if options.fencing {
+            Some("fair locks do not draw fencing tokens")
+        } else if options.min_hold.is_some() {
+            Some("fair locks do not keep a `min_hold`")
+        } else if !capabilities.fair {
+            Some("fair locks need one queue; RedLock masters would each keep their own")
+        } else {
+            None
+        };
+        if let Some(reason) = refused {
+            return Err(LockError::invalid("fair", reason));
+        }
+    }
+    if kind == RequestKind::Permits(0) {
+        return Err(LockError::invalid(
+            "permits",
+            format!("semaphore `{name}` needs at least one permit"),
+        ));
+    }
+    if options.min_hold.is_some() && matches!(kind, RequestKind::Read | RequestKind::Permits(_)) {
+        return Err(LockError::invalid(
+            "min_hold",
+            "`min_hold` applies to exclusive and write locks, not to read locks or permits",
+        ));
+    }
+    if let Some(min_hold) = options.min_hold.filter(|min_hold| *min_hold > plan.ttl) {
+        return Err(LockError::invalid(
+            "min_hold",
+            format!(
+                "`min_hold` ({min_hold:?}) must not be longer than the lease ({:?})",
+                plan.ttl
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl MultiLockRequest<'_> {
+    /// The plan of a set: its keys checked and taken once each, in the order first named.
+    pub(crate) fn plan_set(&mut self) -> Result<Plan<Vec<Keys>>, LockError> {
+        let mut keys: Vec<Keys> = Vec::with_capacity(self.target.keys.len());
+        for name in std::mem::take(&mut self.target.keys) {
+            let key = Keys::new(&self.manager.inner.prefix, name)?;
+            if keys.iter().all(|k| k.lock != key.lock) {
+                keys.push(key);
+            }
+        }
+        if keys.is_empty() {
+            return Err(LockError::invalid(
+                "keys",
+                "`lock_all` needs at least one key",
+            ));
+        }
+        let refused = if self.options.fair {
+            Some(("fair", "a set of locks is not taken in a fair queue"))
+        } else if self.options.min_hold.is_some() {
+            Some(("min_hold", "a set of locks does not keep a `min_hold`"))
+        } else {
+            None
+        };
+        if let Some((what, reason)) = refused {
+            return Err(LockError::invalid(what, reason));
+        }
+        // A set never passes locally.
+        self.options.no_cohort = true;
+        self.plan(RequestKind::Exclusive, keys, "a lock set")
+    }
+}
