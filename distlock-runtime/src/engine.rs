@@ -126,6 +126,37 @@ pub(crate) struct Outcome<W> {
     pub(crate) ticket: Option<Ticket>,
 }
 
+impl<W> Outcome<W> {
+    /// The outcome of a first attempt, granted at once.
+    pub(crate) fn at_once(won: W, sent: Instant, started: Instant) -> Self {
+        Self {
+            won: Won::Asked { won, sent },
+            attempts: 1,
+            started,
+            queued: false,
+            ticket: None,
+        }
+    }
+}
+
+/// Sends one attempt of `ask`; `cover` covers it from now until its answer has been looked
+/// at. Returns when it was sent, and the answer.
+pub(crate) async fn send<'a, A: Ask>(
+    inner: &'a Arc<Inner>,
+    ask: &'a A,
+    metrics: Labels,
+    cover: &mut Cover<'a, A>,
+) -> Result<First<A::Won>, LockError> {
+    crate::metrics::attempt(metrics);
+    let sent = Instant::now();
+    cover.maybe_held = true;
+    let outcome = ask.send(inner).await?;
+    if outcome.is_ok() {
+        inner.waiters.attempted();
+    }
+    Ok(First { sent, outcome })
+}
+
 /// The answer to an attempt already made (before the loop, by the caller).
 pub(crate) struct First<W> {
     pub(crate) sent: Instant,
@@ -219,24 +250,14 @@ impl<'a, A: Ask> Engine<'a, A> {
         self
     }
 
-    /// Sends one attempt; the cover covers it from now until its answer has been looked at.
-    /// Returns when it was sent, and the answer.
-    pub(crate) async fn send(&mut self) -> Result<First<A::Won>, LockError> {
-        crate::metrics::attempt(self.metrics);
-        let sent = Instant::now();
-        self.cover.maybe_held = true;
-        let outcome = self.ask.send(self.inner).await?;
-        if outcome.is_ok() {
-            self.inner.waiters.attempted();
-        }
-        Ok(First { sent, outcome })
+    /// Takes over the cover of an attempt made before the loop.
+    pub(crate) fn covering(mut self, mut cover: Cover<'a, A>) -> Self {
+        self.cover.maybe_held = std::mem::replace(&mut cover.maybe_held, false);
+        self
     }
 
-    /// The outcome of a first attempt that was granted: the cover is lifted.
-    pub(crate) fn granted_at_once(mut self, won: A::Won, sent: Instant) -> Outcome<A::Won> {
-        self.cover.maybe_held = false;
-        self.attempts = 1;
-        self.settle(Won::Asked { won, sent })
+    async fn send(&mut self) -> Result<First<A::Won>, LockError> {
+        send(self.inner, self.ask, self.metrics, &mut self.cover).await
     }
 
     /// The waiting loop: attempts (after `first`, the answer to one already made, if any),
@@ -783,7 +804,8 @@ pub(crate) struct Cover<'a, A: Ask> {
 }
 
 impl<'a, A: Ask> Cover<'a, A> {
-    fn new(inner: &'a Arc<Inner>, ask: &'a A) -> Self {
+    /// Covers nothing yet.
+    pub(crate) fn new(inner: &'a Arc<Inner>, ask: &'a A) -> Self {
         Self {
             inner,
             ask,

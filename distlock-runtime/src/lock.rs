@@ -10,7 +10,7 @@ use tracing::Instrument;
 use crate::LockError;
 use crate::backend::{AcquireRequest, Attempt, HoldIds, Shape};
 use crate::context::{self, Held, Kind, RequestKind};
-use crate::engine::{Ask, Engine, First, Outcome, Reply, Won};
+use crate::engine::{Ask, Cover, Engine, First, Outcome, Reply, Won};
 use crate::guard::{Acquired, LocalPass, LockGuard, Parts, keep_until};
 use crate::key::Keys;
 use crate::lease::LeaseState;
@@ -33,15 +33,24 @@ impl LockRequest<'_> {
     ///
     /// Cancel-safe: if this future is dropped while an attempt is in flight, a release for
     /// that attempt's token is sent right behind it, so no lock is left behind.
-    pub async fn acquire(mut self) -> Result<LockGuard, LockError> {
-        let plan = self.plan_single()?;
-        if self.manager.inner.holds.is_shut_down() {
+    pub async fn acquire(self) -> Result<LockGuard, LockError> {
+        let (manager, quiet) = (self.manager, self.options.quiet);
+        let plan = self.into_plan()?;
+        if manager.inner.holds.is_shut_down() {
             return Err(LockError::ShutDown);
         }
         let span =
             tracing::debug_span!("lock.acquire", template = plan.template, key = %plan.keys.name);
         let (labels, timer) = (plan.metrics, crate::metrics::Timer::start());
-        let result = acquire(self.manager, plan).instrument(span).await;
+        let asking = {
+            let _entered = span.enter();
+            ask(manager, plan)
+        };
+        let result = match asking {
+            Ok(Asking::Nested(guard)) => Ok(*guard),
+            Ok(Asking::Server(asking)) => take(manager, asking).instrument(span).await,
+            Err(error) => Err(error),
+        };
         let result = match result {
             // Dropping it gives it back.
             Ok(guard) if guard.came_after_shutdown() => Err(LockError::ShutDown),
@@ -50,7 +59,7 @@ impl LockRequest<'_> {
                     holder_token: Some(_),
                     ..
                 },
-            ) if !self.options.quiet => Err(Box::pin(name_holder(self.manager, busy)).await),
+            ) if !quiet => Err(Box::pin(name_holder(manager, busy)).await),
             result => result,
         };
         crate::metrics::acquire_ended(labels, timer, &result);
@@ -70,14 +79,31 @@ impl LockRequest<'_> {
     }
 }
 
-async fn acquire(manager: &LockManager, mut plan: Plan<Keys>) -> Result<LockGuard, LockError> {
-    let inner = &manager.inner;
+/// What a request for one lock asks of the server, once the task's own holds are looked at.
+enum Asking {
+    /// Nothing: the task already owns the lock, and this is a nested hold of it.
+    Nested(Box<LockGuard>),
+    /// The lock.
+    Server(Box<Server>),
+}
+
+/// A request for one lock ready to be sent: its plan, what each attempt sends, and the kind
+/// of hold it gives.
+struct Server {
+    plan: Plan<Keys>,
+    request: Arc<AcquireRequest>,
+    kind: Kind,
+}
+
+/// Looks at the task's own holds, then shapes what the attempts send.
+fn ask(manager: &LockManager, mut plan: Plan<Keys>) -> Result<Asking, LockError> {
     if let Some(held) = outer_hold(manager, plan.kind, &plan)? {
         // The task already owns the lock: counted here, no round trip.
-        return Ok(nested(manager, plan, held));
+        return Ok(Asking::Nested(Box::new(nested(manager, plan, held))));
     }
-    let token = new_token(inner.waiters.tag());
-    let (shape, kind) = shape_of(&plan, &token, inner.waiters.tag());
+    let tag = manager.inner.waiters.tag();
+    let token = new_token(tag);
+    let (shape, kind) = shape_of(&plan, &token, tag);
     // The lock key moves into the request (and on into the hold): nothing reads it from the
     // plan from here on.
     let wake = plan.keys.wake();
@@ -90,35 +116,64 @@ async fn acquire(manager: &LockManager, mut plan: Plan<Keys>) -> Result<LockGuar
         fencing: plan.options.fencing,
         reentrant: plan.options.reentrant,
     });
+    Ok(Asking::Server(Box::new(Server {
+        plan,
+        request,
+        kind,
+    })))
+}
+
+/// Takes the lock from the server (or from a local release).
+async fn take(manager: &LockManager, asking: Box<Server>) -> Result<LockGuard, LockError> {
+    let inner = &manager.inner;
+    let Server {
+        plan,
+        request,
+        kind,
+    } = *asking;
     let started = Instant::now();
-    let names = std::slice::from_ref(&plan.keys);
-    let engine = Engine::new(inner, &request, &plan, names, started);
+    let engine = || {
+        Engine::new(
+            inner,
+            &request,
+            &plan,
+            std::slice::from_ref(&plan.keys),
+            started,
+        )
+    };
     if let Shape::Fair { join, .. } = request.shape {
         // Boxed: its state stays out of the plain path's future.
-        let outcome = Box::pin(engine.fair(join)).await?;
+        let outcome = Box::pin(engine().fair(join)).await?;
         return Ok(granted(manager, plan, &request, kind, outcome));
     }
     // A plain lock can be handed over by a local release, in that release's round trip.
-    let engine = engine
-        .hand_off(matches!(request.shape, Shape::Plain) && inner.backend.capabilities().hand_off);
+    let hand_off = matches!(request.shape, Shape::Plain) && inner.backend.capabilities().hand_off;
     // A request that may wait queues behind local waiters instead of overtaking them. Readers
     // and permit holders try first: the waiters ahead may want another kind, while this
     // request may overlap the holders (a free permit, readers inside); queueing it behind
     // them could make it wait for a lock the server would grant, even for itself.
     let shares = matches!(plan.kind, RequestKind::Read | RequestKind::Permits(_));
     let outcome = if plan.retries > 0 && !shares && inner.waiters.has_waiters(&request.wake) {
-        Box::pin(engine.wait(None, true)).await?
+        Box::pin(engine().hand_off(hand_off).wait(None, true)).await?
     } else {
         // Any other makes its first attempt here: most find the lock free, and their future
         // need not carry the waiting loop's state. Inline, not boxed: a box this size costs
         // the allocator's slow path on every lock (about 5 % of the client's work per lock).
-        let mut engine = engine;
-        match engine.send().await? {
+        let mut cover = Cover::new(inner, &request);
+        match crate::engine::send(inner, &request, plan.metrics, &mut cover).await? {
             First {
                 sent,
                 outcome: Ok(Reply::Held(fence)),
-            } => engine.granted_at_once(fence, sent),
-            first => Box::pin(engine.wait(Some(first), !shares)).await?,
+            } => {
+                cover.maybe_held = false;
+                Outcome::at_once(fence, sent, started)
+            }
+            first => {
+                // The loop takes over the attempt's answer, and its cover if it may have
+                // been granted.
+                let engine = engine().hand_off(hand_off).covering(cover);
+                Box::pin(engine.wait(Some(first), !shares)).await?
+            }
         }
     };
     Ok(granted(manager, plan, &request, kind, outcome))

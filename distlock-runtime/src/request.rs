@@ -400,7 +400,7 @@ impl<K> Plan<K> {
 
 impl LockRequest<'_> {
     /// The plan of a request for one lock: the common checks, then those of its kind.
-    pub(crate) fn plan_single(&mut self) -> Result<Plan<Keys>, LockError> {
+    pub(crate) fn into_plan(mut self) -> Result<Plan<Keys>, LockError> {
         let key = std::mem::take(&mut self.target.key);
         let keys = Keys::new(&self.manager.inner.prefix, key)?;
         let what = format!("`{}`", keys.name);

@@ -462,3 +462,22 @@ async fn a_plain_lock_costs_the_server_no_more_than_a_hand_written_one() {
     .await;
     assert!(keys(&server, "cost:").is_empty());
 }
+
+/// The futures a caller's task carries on every lock stay within their sizes before the
+/// request layer became one engine (3,248 and 2,696 bytes, as this test measures them): a
+/// larger future costs every caller's task, and boxing it the allocator's slow path.
+#[tokio::test]
+async fn acquire_and_release_futures_stay_small() {
+    let server = shared_server();
+    let prefix = unique_prefix("sizes");
+    let locks = manager(&server, &prefix).await;
+    let acquire = locks.lock("sized").acquire();
+    let acquire_size = std::mem::size_of_val(&acquire);
+    let guard = acquire.await.unwrap();
+    let release = guard.release();
+    let release_size = std::mem::size_of_val(&release);
+    release.await.unwrap();
+    println!("acquire() {acquire_size} bytes, release() {release_size} bytes");
+    assert!(acquire_size <= 3248, "acquire() is {acquire_size} bytes");
+    assert!(release_size <= 2696, "release() is {release_size} bytes");
+}
