@@ -60,6 +60,7 @@ mod election;
 mod env;
 mod error;
 mod guard;
+mod holds;
 mod id_map;
 mod identity;
 pub mod inspect;

@@ -12,13 +12,13 @@ use crate::LockError;
 use crate::backend::{AcquireRequest, Attempt, Shape};
 use crate::context::{self, Held, Kind, RequestKind};
 use crate::decide::{self, Step};
-use crate::guard::{Acquired, Handed, LocalPass, LockGuard, Parts, keep_until};
+use crate::guard::{Acquired, LockGuard, Parts};
 use crate::key::Keys;
-use crate::lease::{LeaseState, saturating_add};
+use crate::lease::{LeaseState, keep_until, saturating_add};
 use crate::lease::{MAX_TTL, check_ttl};
 use crate::manager::LockManager;
 use crate::retry::Backoff;
-use crate::waiters::Ticket;
+use crate::waiters::{Handed, LocalPass, Ticket};
 use crate::watchdog::Target;
 
 /// A request for one lock, built by [`LockManager::lock`]; send it with
