@@ -172,7 +172,7 @@ pub(crate) fn attempt(labels: Labels) {
 
 /// A request ended with `result`, `timer` after it started.
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn acquire_ended<T>(labels: Labels, timer: Timer, result: &Result<T, LockError>) {
+pub(crate) fn acquire_ended<T>(labels: Labels, timer: Timer, result: &Result<T, crate::LockError>) {
     #[cfg(feature = "metrics")]
     {
         let outcome = match result {
