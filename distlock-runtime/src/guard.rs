@@ -17,7 +17,7 @@ use crate::manager::{Inner, LockManager};
 use crate::waiters::{Handed, Next, Offer, Passable};
 use crate::watchdog::Registration;
 
-// Also named from here by the request code.
+// Defined with the hand-off; the request code also names it by this path.
 pub(crate) use crate::waiters::LocalPass;
 
 /// How an acquisition went: attempts made and time spent before the lock was held.
