@@ -69,22 +69,6 @@ impl Driver {
             .map_err(|_| LockError::DriverStopped)
     }
 
-    /// Runs `task` on the caller's runtime, or on the background runtime when the caller is
-    /// not in one.
-    pub(crate) async fn exec<T>(
-        &self,
-        task: impl Future<Output = T> + Send + 'static,
-    ) -> Result<T, LockError>
-    where
-        T: Send + 'static,
-    {
-        if Handle::try_current().is_ok() {
-            Ok(task.await)
-        } else {
-            self.run(task).await
-        }
-    }
-
     /// Starts `task` on the background runtime without waiting for it.
     pub(crate) fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
         drop(self.handle.spawn(task));

@@ -287,7 +287,13 @@ pub(crate) async fn resolve(via: impl Into<Lookup<'_>>, token: &str) -> Option<H
     let token = token.to_owned();
     let lookup =
         async move { tokio::time::timeout(LOOKUP_BOUND, registry.lookup(&backend, &token)).await };
-    match driver.exec(lookup).await {
+    // On the caller's runtime, or on the manager's when the caller is not in one.
+    let read = if tokio::runtime::Handle::try_current().is_ok() {
+        Ok(lookup.await)
+    } else {
+        driver.run(lookup).await
+    };
+    match read {
         Ok(Ok(Ok(identity))) => identity,
         _ => None,
     }

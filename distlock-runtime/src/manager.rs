@@ -246,13 +246,23 @@ impl Inner {
         Fut: Future<Output = T> + Send + 'static,
         T: Send + 'static,
     {
-        self.driver.exec(op(self.backend.clone())).await
+        let backend = self.backend.clone();
+        if tokio::runtime::Handle::try_current().is_ok() {
+            Ok(op(backend).await)
+        } else {
+            self.driver.run(op(backend)).await
+        }
     }
 
     /// Sleeps on the caller's runtime timer, or on the manager's own runtime.
     pub(crate) async fn sleep_until(&self, deadline: std::time::Instant) -> Result<(), LockError> {
         let deadline = tokio::time::Instant::from_std(deadline);
-        self.driver.exec(tokio::time::sleep_until(deadline)).await
+        if tokio::runtime::Handle::try_current().is_ok() {
+            tokio::time::sleep_until(deadline).await;
+            Ok(())
+        } else {
+            self.driver.run(tokio::time::sleep_until(deadline)).await
+        }
     }
 
     /// What gives this manager's holds back from its own runtime.
