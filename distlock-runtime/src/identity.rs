@@ -283,15 +283,16 @@ pub(crate) async fn resolve(via: impl Into<Lookup<'_>>, token: &str) -> Option<H
         driver,
     } = via.into();
     let registry = Arc::clone(registry);
-    let backend = backend.clone();
     let token = token.to_owned();
-    let lookup =
-        async move { tokio::time::timeout(LOOKUP_BOUND, registry.lookup(&backend, &token)).await };
+    let lookup = move |backend: Backend| async move {
+        tokio::time::timeout(LOOKUP_BOUND, registry.lookup(&backend, &token)).await
+    };
+    let backend = backend.clone();
     // On the caller's runtime, or on the manager's when the caller is not in one.
     let read = if tokio::runtime::Handle::try_current().is_ok() {
-        Ok(lookup.await)
+        Ok(lookup(backend).await)
     } else {
-        driver.run(lookup).await
+        driver.run(lookup(backend)).await
     };
     match read {
         Ok(Ok(Ok(identity))) => identity,
