@@ -18,12 +18,12 @@ use crate::LockError;
 use crate::backend::FAIR_REFRESH;
 use crate::context::RequestKind;
 use crate::decide::{self, Answer, Bounds, Step};
-use crate::guard::Handed;
 use crate::key::Keys;
 use crate::manager::Inner;
 use crate::metrics::Labels;
 use crate::request::Plan;
 use crate::retry::Backoff;
+use crate::waiters::Handed;
 use crate::waiters::Ticket;
 
 /// What one attempt sends, and what the engine needs to know of it: one lock, or a set.
@@ -762,6 +762,54 @@ impl<'a, A: Ask> Engine<'a, A> {
             }
         }
         self.give_up(self.failure.clone())
+    }
+}
+
+/// Sends a release right behind an attempt whose caller gave up (`release` makes one; it
+/// says whether Redis answered), for a lock or a set alike.
+///
+/// In a tokio runtime, the release is queued on that runtime's connection before this
+/// returns, right behind the attempt, so it cannot overtake it. If that runtime goes away (or
+/// the connection fails) before the answer, the manager's runtime sends it once more, and
+/// only that outcome is logged. Outside any runtime, the manager's runtime sends it.
+pub(crate) fn send_behind<R, F>(inner: &Inner, release: R)
+where
+    R: Fn() -> F + Send + 'static,
+    F: Future<Output = redis::RedisResult<()>> + Send + 'static,
+{
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return inner.driver.spawn(release_again(None, release));
+    };
+    let (answered, answer) = oneshot::channel();
+    let here = release();
+    let here = async move {
+        if here.await.is_ok() {
+            let _ = answered.send(());
+        }
+    };
+    // One poll queues the request on the connection; the task finishes the rest.
+    let mut here = Box::pin(here);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    if here.as_mut().poll(&mut cx).is_pending() {
+        drop(runtime.spawn(here));
+    }
+    inner.driver.spawn(release_again(Some(answer), release));
+}
+
+/// Sends `release` from the manager's runtime, unless `first` says the one sent before was
+/// answered; logs a failure.
+async fn release_again<R, F>(first: Option<oneshot::Receiver<()>>, release: R)
+where
+    R: Fn() -> F,
+    F: Future<Output = redis::RedisResult<()>>,
+{
+    if let Some(answer) = first
+        && answer.await.is_ok()
+    {
+        return;
+    }
+    if let Err(error) = release().await {
+        tracing::warn!(%error, "a release behind an abandoned attempt failed; the lease will expire");
     }
 }
 

@@ -1,21 +1,16 @@
 //! `LockGuard`: proof of holding a lock, and the way to give it back.
 
 use std::fmt;
-use std::future::Future;
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Waker};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use tokio::sync::{oneshot, watch};
 
 use crate::LockError;
 use crate::backend::{FairRelease, HoldIds};
 use crate::context::Held;
-use crate::id_map::IdMap;
-use crate::lease::check_ttl;
-use crate::lease::{LeaseState, saturating_add};
+use crate::holds::Live;
+use crate::lease::{LeaseState, check_ttl, keep_from};
 use crate::manager::{Inner, LockManager};
-use crate::waiters::{Grant, Next, Offer, Passable};
+use crate::waiters::{Handed, LocalPass, Next, Offer, Passable};
 use crate::watchdog::Registration;
 
 /// How an acquisition went: attempts made and time spent before the lock was held.
@@ -392,7 +387,7 @@ impl LockGuard {
             match inner.exec(release).await? {
                 Ok(FairRelease::Granted(next)) => {
                     tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "granted to the next in line");
-                    hand_fair(inner, &ids, &next, sent);
+                    inner.releaser().hand_fair(&ids, &next, sent);
                     return Ok(());
                 }
                 Ok(FairRelease::Freed) => {
@@ -439,7 +434,7 @@ impl LockGuard {
             Err(error) => {
                 inner.waiters.released(&ids.wake);
                 // Sent again from the background: whether it arrived is unknown.
-                release_in_background(inner, ids, None);
+                inner.releaser().in_background(ids, None);
                 Err(LockError::redis(self.key(), error))
             }
         }
@@ -456,11 +451,7 @@ impl LockGuard {
             lease: self.parts.lease.clone(),
             passes: self.parts.held.passes.saturating_add(1),
         };
-        let handed = Handed {
-            sent: Instant::now(),
-            unclaimed: Some((inner.clone(), ids)),
-            local: Some(local),
-        };
+        let handed = Handed::new(Instant::now(), inner.releaser(), ids, Some(local));
         match offer.handed.send(handed) {
             Ok(()) => {
                 inner.waiters.passed();
@@ -468,7 +459,7 @@ impl LockGuard {
                 Ok(())
             }
             Err(mut handed) => {
-                handed.unclaimed = None;
+                handed.disarm();
                 Err(())
             }
         }
@@ -501,11 +492,7 @@ impl LockGuard {
             Ok(true) => {
                 inner.waiters.handed_off();
                 tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "handed over");
-                let handed = handed.send(Handed {
-                    sent,
-                    unclaimed: Some((inner.clone(), next)),
-                    local: None,
-                });
+                let handed = handed.send(Handed::new(sent, inner.releaser(), next, None));
                 // The waiter gave up (or was cancelled) meanwhile: nobody takes the lock here,
                 // so this release gives it to everyone, with the wake-up, before it returns.
                 // One that gives up after this point drops the grant, which does the same from
@@ -514,7 +501,7 @@ impl LockGuard {
                 // this future dropped midway, drops it armed, which releases from the
                 // manager's runtime.
                 if let Err(mut handed) = handed
-                    && let Some((_, next)) = &handed.unclaimed
+                    && let Some(next) = handed.unclaimed()
                 {
                     let release = {
                         let next = next.clone();
@@ -524,7 +511,7 @@ impl LockGuard {
                     };
                     match inner.exec(release).await? {
                         Ok(released) => {
-                            handed.unclaimed = None;
+                            handed.disarm();
                             if released {
                                 inner.waiters.released(&ids.wake);
                             }
@@ -570,80 +557,10 @@ impl Drop for LockGuard {
         self.parts.renewal = None;
         if self.unlist() && self.parts.held.leave() {
             let keep_until = self.parts.held.keep_until();
-            release_in_background(&self.parts.manager.inner, self.ids(), keep_until);
+            let releaser = self.parts.manager.inner.releaser();
+            releaser.in_background(self.ids(), keep_until);
         }
     }
-}
-
-/// A lock handed over by a local release, on its way to the waiter that offered to take it.
-/// Dropped unclaimed (that waiter gave up meanwhile), it gives the lock back from the
-/// manager's runtime.
-pub(crate) struct Handed {
-    sent: Instant,
-    unclaimed: Option<(Arc<Inner>, Arc<HoldIds>)>,
-    /// Passed locally: the server hold taken over as it is.
-    local: Option<LocalPass>,
-}
-
-/// A server hold passed on by a local release, with no server command: its owner token (in
-/// the hold ids), its lease, and how many passes it is from the server's grant.
-#[derive(Debug)]
-pub(crate) struct LocalPass {
-    pub(crate) ids: Arc<HoldIds>,
-    pub(crate) lease: Arc<LeaseState>,
-    pub(crate) passes: u32,
-}
-
-impl Handed {
-    /// Takes the lock over: when the hand-off was sent, which is when its lease began, and
-    /// the server hold it takes over when it was passed locally.
-    pub(crate) fn claim(mut self) -> (Instant, Option<LocalPass>) {
-        self.unclaimed = None;
-        (self.sent, self.local.take())
-    }
-
-    /// Until when the lock's lease runs: the shared lease of a hold passed locally, else a
-    /// lease of `ttl` from when the hand-off was sent.
-    pub(crate) fn lease_until(&self, ttl: Duration) -> Instant {
-        match &self.local {
-            Some(local) => local.lease.valid_until(),
-            None => saturating_add(self.sent, ttl),
-        }
-    }
-
-    /// Whether the lock came by a local pass (the waiter's own token took no part).
-    pub(crate) fn is_local(&self) -> bool {
-        self.local.is_some()
-    }
-}
-
-impl fmt::Debug for Handed {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Handed")
-            .field("sent", &self.sent)
-            .field("claimed", &self.unclaimed.is_none())
-            .finish()
-    }
-}
-
-impl Drop for Handed {
-    fn drop(&mut self) {
-        if let Some((inner, ids)) = self.unclaimed.take() {
-            release_in_background(&inner, ids, None);
-        }
-    }
-}
-
-/// Until when the key must live after release for a `min_hold`, counted from the acquisition.
-pub(crate) fn keep_until(sent: Instant, min_hold: Option<Duration>) -> Option<Instant> {
-    min_hold.map(|min| saturating_add(sent, min))
-}
-
-/// How much longer the key must live after a release sent now.
-fn keep_from(until: Option<Instant>) -> Duration {
-    until.map_or(Duration::ZERO, |until| {
-        until.saturating_duration_since(Instant::now())
-    })
 }
 
 /// A release sent but not yet answered; dropped armed, it sends the release again from the
@@ -653,7 +570,7 @@ struct Unanswered(Option<(Arc<Inner>, Arc<HoldIds>, Option<Instant>)>);
 impl Drop for Unanswered {
     fn drop(&mut self) {
         if let Some((inner, ids, keep_until)) = self.0.take() {
-            release_in_background(&inner, ids, keep_until);
+            inner.releaser().in_background(ids, keep_until);
         }
     }
 }
@@ -670,71 +587,6 @@ impl fmt::Debug for LockGuard {
     }
 }
 
-/// Sends a release for one hold from the manager's own runtime, without waiting for it; the
-/// outcome is only logged. That runtime outlives the caller's, so this works while the
-/// caller's runtime shuts down, and outside any runtime.
-pub(crate) fn release_in_background(
-    inner: &Arc<Inner>,
-    ids: Arc<HoldIds>,
-    keep_until: Option<Instant>,
-) {
-    let task = release_logged(inner.clone(), ids, keep_until);
-    inner.driver.spawn(task);
-}
-
-/// Releases what an acquire whose caller gave up may have taken.
-///
-/// In a tokio runtime, the release is queued on that runtime's connection before this
-/// returns, right behind the acquire, so it cannot overtake it. If that runtime goes away (or
-/// the connection fails) before the answer, the manager's runtime sends it once more.
-///
-/// `intent`: a writer's intent, taken back after the release (see `withdraw_intent`), so that
-/// the unanswered attempt cannot set it again after it was taken back.
-pub(crate) fn release_behind_acquire(inner: &Arc<Inner>, ids: HoldIds, intent: Option<String>) {
-    let ids = Arc::new(ids);
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        let task = release_then_withdraw(inner.clone(), ids, intent);
-        return inner.driver.spawn(task);
-    };
-    let (answered, answer) = oneshot::channel();
-    let here = {
-        let (inner, ids, intent) = (inner.clone(), ids.clone(), intent.clone());
-        async move {
-            if let Ok(released) = inner.backend.release(&ids, Duration::ZERO).await {
-                if released {
-                    inner.waiters.released(&ids.wake);
-                }
-                if let Some(intent) = intent {
-                    withdraw_intent(inner, ids, intent).await;
-                }
-                let _ = answered.send(());
-            }
-        }
-    };
-    // One poll queues the request on the connection; the task finishes the rest.
-    let mut here = Box::pin(here);
-    let mut cx = Context::from_waker(Waker::noop());
-    if here.as_mut().poll(&mut cx).is_pending() {
-        drop(runtime.spawn(here));
-    }
-    let fallback = {
-        let inner = inner.clone();
-        async move {
-            if answer.await.is_err() {
-                release_then_withdraw(inner, ids, intent).await;
-            }
-        }
-    };
-    inner.driver.spawn(fallback);
-}
-
-async fn release_then_withdraw(inner: Arc<Inner>, ids: Arc<HoldIds>, intent: Option<String>) {
-    release_logged(inner.clone(), ids.clone(), None).await;
-    if let Some(intent) = intent {
-        withdraw_intent(inner, ids, intent).await;
-    }
-}
-
 /// Takes back the write intent `intent` of the writer `ids` (which gave up without the
 /// lock), if it is still that writer's, and wakes the readers it kept out.
 pub(crate) async fn withdraw_intent(inner: Arc<Inner>, ids: Arc<HoldIds>, intent: String) {
@@ -748,142 +600,5 @@ pub(crate) async fn withdraw_intent(inner: Arc<Inner>, ids: Arc<HoldIds>, intent
         Err(error) => {
             tracing::debug!(%error, "a write intent could not be taken back; it expires");
         }
-    }
-}
-
-/// A release of fair lock `ids` (sent at `sent`) granted it to the owner of token `next`: if
-/// that is a waiter of this manager with a standing offer, it gets the lock in-process, its
-/// lease counted from `sent` (the grant gave it its whole lease, after `sent`). Any other
-/// waiter hears the grant's publish, and asks.
-pub(crate) fn hand_fair(inner: &Arc<Inner>, ids: &HoldIds, next: &str, sent: Instant) {
-    let Grant::Offer(offer) = inner.waiters.grant(&ids.wake, next) else {
-        return;
-    };
-    let fair = ids
-        .fair
-        .as_ref()
-        .map(|queue| queue.for_owner(inner.waiters.tag(), offer.lease, &offer.token));
-    let next = Arc::new(HoldIds {
-        token: offer.token,
-        fair,
-        ..ids.clone()
-    });
-    inner.waiters.handed_off();
-    // A waiter that gave up meanwhile drops it, which gives the lock back.
-    let _ = offer.handed.send(Handed {
-        sent,
-        unclaimed: Some((inner.clone(), next)),
-        local: None,
-    });
-}
-
-async fn release_logged(inner: Arc<Inner>, ids: Arc<HoldIds>, keep_until: Option<Instant>) {
-    if ids.fair.is_some() {
-        let sent = Instant::now();
-        match inner.backend.release_fair(&ids).await {
-            Ok(FairRelease::Granted(next)) => hand_fair(&inner, &ids, &next, sent),
-            Ok(FairRelease::Freed) => inner.waiters.released(&ids.wake),
-            Ok(FairRelease::NotHeld) => {
-                tracing::debug!(lock = %ids.lock, "background release found the lock already gone");
-            }
-            Err(error) => tracing::warn!(
-                lock = %ids.lock, %error,
-                "background release failed; the lease will expire"
-            ),
-        }
-        return;
-    }
-    match inner.backend.release(&ids, keep_from(keep_until)).await {
-        Ok(true) => {
-            inner.waiters.released(&ids.wake);
-            tracing::debug!(lock = %ids.lock, "released in the background");
-        }
-        Ok(false) => {
-            tracing::debug!(lock = %ids.lock, "background release found the lock already gone");
-        }
-        Err(error) => tracing::warn!(
-            lock = %ids.lock, %error,
-            "background release failed; the lease will expire"
-        ),
-    }
-}
-
-/// A hold as the manager lists it, for [`LockManager::shutdown`].
-#[derive(Debug)]
-pub(crate) struct Live {
-    pub(crate) ids: Arc<HoldIds>,
-    pub(crate) keep_until: Option<Instant>,
-    pub(crate) lease: Arc<LeaseState>,
-}
-
-/// Every hold of one manager that is still to be given back, and whether it shut down.
-#[derive(Debug, Default)]
-pub(crate) struct Holds {
-    listed: Mutex<Listed>,
-    shut_down: watch::Sender<bool>,
-}
-
-#[derive(Debug, Default)]
-struct Listed {
-    by_id: IdMap<u64, Live>,
-    next_id: u64,
-}
-
-impl Holds {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Listed> {
-        self.listed.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Lists a new hold; `None` once the manager has shut down.
-    pub(crate) fn list(&self, live: Live) -> Option<u64> {
-        let mut listed = self.lock();
-        if self.is_shut_down() {
-            return None;
-        }
-        let id = listed.next_id;
-        listed.next_id += 1;
-        listed.by_id.insert(id, live);
-        Some(id)
-    }
-
-    /// Takes a hold off the list; `false` when shutdown took it first.
-    pub(crate) fn unlist(&self, id: u64) -> bool {
-        self.lock().by_id.remove(&id).is_some()
-    }
-
-    pub(crate) fn is_listed(&self, id: u64) -> bool {
-        self.lock().by_id.contains_key(&id)
-    }
-
-    /// Whether [`LockManager::shutdown`] was called.
-    pub(crate) fn is_shut_down(&self) -> bool {
-        *self.shut_down.borrow()
-    }
-
-    /// Completes once the manager has shut down.
-    pub(crate) async fn until_shut_down(&self) {
-        let mut shut_down = self.shut_down.subscribe();
-        let _ = shut_down.wait_for(|down| *down).await;
-    }
-
-    /// Marks the manager shut down and gives back every listed hold, marking its lease lost;
-    /// does nothing the second time.
-    pub(crate) async fn shut_down(&self, inner: &Arc<Inner>) {
-        let live: Vec<Live> = {
-            let mut listed = self.lock();
-            if self.shut_down.send_replace(true) {
-                return;
-            }
-            listed.by_id.drain().map(|(_, live)| live).collect()
-        };
-        for hold in &live {
-            hold.lease.mark_lost();
-        }
-        let releases = live.into_iter().map(|hold| {
-            let inner = inner.clone();
-            let release = release_logged(inner.clone(), hold.ids, hold.keep_until);
-            async move { inner.driver.run(release).await }
-        });
-        futures_util::future::join_all(releases).await;
     }
 }

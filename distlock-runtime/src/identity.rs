@@ -5,10 +5,13 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use tokio::sync::watch;
+
 use crate::backend::Backend;
+use crate::driver::Driver;
 
 /// How long a registration outlives its manager's last refresh: a crashed manager shows as
 /// gone within this long.
@@ -237,20 +240,22 @@ impl Registry {
 }
 
 /// Keeps a manager's registration alive from its background runtime until the manager is
-/// dropped or shut down.
-pub(crate) async fn keep_registered(inner: Weak<crate::manager::Inner>) {
+/// dropped or shut down: `shut_down` is the manager's shutdown flag, whose channel closes
+/// when the manager is dropped.
+pub(crate) async fn keep_registered(
+    registry: Arc<Registry>,
+    backend: Backend,
+    shut_down: watch::Receiver<bool>,
+) {
     loop {
         tokio::time::sleep(REFRESH).await;
-        let Some(inner) = inner.upgrade() else { return };
-        if inner.holds.is_shut_down() {
+        if shut_down.has_changed().is_err() || *shut_down.borrow() {
             return;
         }
-        let backend = inner.backend.clone();
-        let registry = Arc::clone(&inner.registry);
         registry.register(&backend).await;
         // A shutdown that removed the registration while this refresh was on its way must
         // not see it come back.
-        if inner.holds.is_shut_down() {
+        if *shut_down.borrow() {
             registry.unregister(&backend).await;
             return;
         }
@@ -261,15 +266,35 @@ pub(crate) async fn keep_registered(inner: Weak<crate::manager::Inner>) {
 /// without the name (the identity is for people reading, never worth a delay).
 const LOOKUP_BOUND: Duration = Duration::from_millis(100);
 
+/// What reading a holder's identity takes of a manager: its registry, and the backend and
+/// driver to read through.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lookup<'a> {
+    pub(crate) registry: &'a Arc<Registry>,
+    pub(crate) backend: &'a Backend,
+    pub(crate) driver: &'a Driver,
+}
+
 /// A holder's identity for an error: `None` when it is gone, or could not be read at once.
-pub(crate) async fn resolve(manager: &crate::LockManager, token: &str) -> Option<HolderIdentity> {
-    let inner = &manager.inner;
-    let registry = Arc::clone(&inner.registry);
+pub(crate) async fn resolve(via: impl Into<Lookup<'_>>, token: &str) -> Option<HolderIdentity> {
+    let Lookup {
+        registry,
+        backend,
+        driver,
+    } = via.into();
+    let registry = Arc::clone(registry);
     let token = token.to_owned();
     let lookup = move |backend: Backend| async move {
         tokio::time::timeout(LOOKUP_BOUND, registry.lookup(&backend, &token)).await
     };
-    match inner.exec(lookup).await {
+    let backend = backend.clone();
+    // On the caller's runtime, or on the manager's when the caller is not in one.
+    let read = if tokio::runtime::Handle::try_current().is_ok() {
+        Ok(lookup(backend).await)
+    } else {
+        driver.run(lookup(backend)).await
+    };
+    match read {
         Ok(Ok(Ok(identity))) => identity,
         _ => None,
     }

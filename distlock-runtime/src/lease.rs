@@ -147,6 +147,18 @@ pub(crate) fn saturating_add(at: Instant, by: Duration) -> Instant {
     }
 }
 
+/// Until when the key must live after release for a `min_hold`, counted from the acquisition.
+pub(crate) fn keep_until(sent: Instant, min_hold: Option<Duration>) -> Option<Instant> {
+    min_hold.map(|min| saturating_add(sent, min))
+}
+
+/// How much longer the key must live after a release sent now.
+pub(crate) fn keep_from(until: Option<Instant>) -> Duration {
+    until.map_or(Duration::ZERO, |until| {
+        until.saturating_duration_since(Instant::now())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

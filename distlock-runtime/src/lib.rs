@@ -61,6 +61,7 @@ mod engine;
 mod env;
 mod error;
 mod guard;
+mod holds;
 mod id_map;
 mod identity;
 pub mod inspect;

@@ -11,11 +11,13 @@ use crate::LockError;
 use crate::backend::{AcquireRequest, Attempt, HoldIds, Shape};
 use crate::context::{self, Held, Kind, RequestKind};
 use crate::engine::{Ask, Cover, Engine, First, Outcome, Reply, Won};
-use crate::guard::{Acquired, LocalPass, LockGuard, Parts, keep_until};
+use crate::guard::{Acquired, LockGuard, Parts};
 use crate::key::Keys;
 use crate::lease::LeaseState;
+use crate::lease::keep_until;
 use crate::manager::{Inner, LockManager};
 use crate::request::{LockRequest, Plan};
+use crate::waiters::LocalPass;
 use crate::watchdog::{Registration, Target};
 
 impl LockRequest<'_> {
@@ -452,7 +454,21 @@ impl Ask for Arc<AcquireRequest> {
     }
 
     fn release_behind(&self, inner: &Arc<Inner>, intent: Option<String>) {
-        crate::guard::release_behind_acquire(inner, self.hold_ids(), intent);
+        // The intent is taken back after the release, on the same connection, so that the
+        // unanswered attempt cannot set it again after.
+        let (ids, owner) = (Arc::new(self.hold_ids()), inner.clone());
+        crate::engine::send_behind(inner, move || {
+            let (inner, ids, intent) = (owner.clone(), ids.clone(), intent.clone());
+            async move {
+                if inner.backend.release(&ids, Duration::ZERO).await? {
+                    inner.waiters.released(&ids.wake);
+                }
+                if let Some(intent) = intent {
+                    crate::guard::withdraw_intent(inner, ids, intent).await;
+                }
+                Ok(())
+            }
+        });
     }
 
     async fn give_back(&self, inner: &Inner) -> Option<bool> {

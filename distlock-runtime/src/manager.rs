@@ -8,12 +8,13 @@ use std::time::Duration;
 use crate::LockError;
 use crate::backend::{self, Backend, ConnectOptions};
 use crate::driver::Driver;
-use crate::guard::Holds;
+use crate::holds::Holds;
+use crate::identity::Lookup;
 use crate::key;
 use crate::lease::{MAX_TTL, check_ttl};
 use crate::security::{Credentials, Security, Tls};
-use crate::waiters::Waiters;
-use crate::watchdog::Watchdog;
+use crate::waiters::{Releaser, Waiters};
+use crate::watchdog::{Through, Watchdog};
 
 static INSTALLED: OnceLock<LockManager> = OnceLock::new();
 
@@ -175,7 +176,7 @@ impl LockManager {
         if inner.holds.is_shut_down() {
             return;
         }
-        inner.holds.shut_down(inner).await;
+        inner.holds.shut_down(&inner.releaser()).await;
         inner.watchdog.stop();
         let registry = Arc::clone(&inner.registry);
         let _ = inner
@@ -215,6 +216,34 @@ impl Inner {
             Ok(())
         } else {
             self.driver.run(tokio::time::sleep_until(deadline)).await
+        }
+    }
+
+    /// What gives this manager's holds back from its own runtime.
+    pub(crate) fn releaser(&self) -> Releaser {
+        Releaser {
+            backend: self.backend.clone(),
+            driver: Arc::clone(&self.driver),
+            waiters: self.waiters.clone(),
+        }
+    }
+}
+
+impl<'a> From<&'a Arc<Inner>> for Through<'a> {
+    fn from(inner: &'a Arc<Inner>) -> Self {
+        Self {
+            driver: &inner.driver,
+            backend: &inner.backend,
+        }
+    }
+}
+
+impl<'a> From<&'a LockManager> for Lookup<'a> {
+    fn from(manager: &'a LockManager) -> Self {
+        Self {
+            registry: &manager.inner.registry,
+            backend: &manager.inner.backend,
+            driver: &manager.inner.driver,
         }
     }
 }
@@ -657,11 +686,12 @@ impl LockManagerBuilder {
                 target,
             }),
         };
-        let inner = Arc::downgrade(&manager.inner);
-        manager
-            .inner
-            .driver
-            .spawn(crate::identity::keep_registered(inner));
+        let inner = &manager.inner;
+        inner.driver.spawn(crate::identity::keep_registered(
+            Arc::clone(&inner.registry),
+            inner.backend.clone(),
+            inner.holds.watch(),
+        ));
         Ok(manager)
     }
 

@@ -16,7 +16,7 @@
 //! | `distlock_acquires_total` | counter | `outcome` | requests that ended: `acquired`, `busy` (not taken within its bounds), `refused` (would deadlock, upgrade, permits mismatch), `shutdown` (the manager was shut down), `error` (Redis failed) |
 //! | `distlock_acquire_wait_seconds` | histogram | `outcome` | time from the request to its outcome |
 //! | `distlock_hold_seconds` | histogram | | time from acquisition to release (or drop) |
-//! | `distlock_lost_total` | counter | | holds that ended with their lease lost, as [`LockGuard::is_lost`] tells (not those given back by shutdown) |
+//! | `distlock_lost_total` | counter | | holds that ended with their lease lost, as [`LockGuard::is_lost`](crate::LockGuard::is_lost) tells (not those given back by shutdown) |
 //! | `distlock_renewals_total` | counter | `outcome` | watchdog renewals of one lease: `renewed`, `lost` (another owner or no key), `failed` (Redis failed; retried) |
 //! | `distlock_handoffs_total` | counter | | locks taken by a request that had queued for them: a release (or an expiry) handed the lock to a waiter |
 //! | `distlock_waiting` | gauge | | requests waiting in the manager's queue for a busy lock |
@@ -32,7 +32,6 @@ use std::time::Instant;
 #[cfg(feature = "metrics")]
 use crate::LockError;
 use crate::context::RequestKind;
-use crate::guard::LockGuard;
 
 /// Counter: attempts sent to Redis.
 pub const ACQUIRE_ATTEMPTS: &str = "distlock_acquire_attempts_total";
@@ -43,7 +42,7 @@ pub const ACQUIRES: &str = "distlock_acquires_total";
 pub const ACQUIRE_WAIT: &str = "distlock_acquire_wait_seconds";
 /// Histogram, seconds: time from acquisition to release (or drop).
 pub const HOLD: &str = "distlock_hold_seconds";
-/// Counter: holds that ended with their lease lost (see [`LockGuard::is_lost`]).
+/// Counter: holds that ended with their lease lost (see [`LockGuard::is_lost`](crate::LockGuard::is_lost)).
 pub const LOST: &str = "distlock_lost_total";
 /// Counter: watchdog renewals of one lease, by `outcome` (`renewed`, `lost`, `failed`).
 pub const RENEWALS: &str = "distlock_renewals_total";
@@ -173,11 +172,7 @@ pub(crate) fn attempt(labels: Labels) {
 
 /// A request ended with `result`, `timer` after it started.
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn acquire_ended(
-    labels: Labels,
-    timer: Timer,
-    result: &Result<LockGuard, crate::LockError>,
-) {
+pub(crate) fn acquire_ended<T>(labels: Labels, timer: Timer, result: &Result<T, crate::LockError>) {
     #[cfg(feature = "metrics")]
     {
         let outcome = match result {

@@ -9,7 +9,6 @@
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
-use std::task::{Context, Waker};
 use std::time::{Duration, Instant};
 
 use tracing::Instrument;
@@ -17,7 +16,8 @@ use tracing::Instrument;
 use crate::backend::{HoldIds, SetAttempt, SetKey, SetRequest};
 use crate::context::{Held, Kind, RequestKind};
 use crate::engine::{Ask, Engine, Reply, Won};
-use crate::guard::{Acquired, Live};
+use crate::guard::Acquired;
+use crate::holds::Live;
 use crate::key::Keys;
 use crate::lease::{LeaseState, check_ttl};
 use crate::lock::{self, new_token};
@@ -240,7 +240,19 @@ impl Ask for SetRequest {
     }
 
     fn release_behind(&self, inner: &Arc<Inner>, _intent: Option<String>) {
-        release_behind_attempt(inner, self.clone());
+        let (request, owner) = (self.clone(), inner.clone());
+        crate::engine::send_behind(inner, move || {
+            let (inner, request) = (owner.clone(), request.clone());
+            async move {
+                let released = inner.backend.release_set(&request).await?;
+                for (yes, key) in released.into_iter().zip(&request.keys) {
+                    if yes {
+                        inner.waiters.released(&key.wake);
+                    }
+                }
+                Ok(())
+            }
+        });
     }
 
     async fn give_back(&self, inner: &Inner) -> Option<bool> {
@@ -593,24 +605,6 @@ impl fmt::Debug for MultiGuard {
             .field("remaining", &self.remaining())
             .field("watchdog", &!self.renewals.is_empty())
             .finish_non_exhaustive()
-    }
-}
-
-/// Sends a release of a whole set right behind an attempt whose caller gave up: on the
-/// caller's runtime, queued before this returns on the connection the attempt went out on
-/// (outside any runtime, from the manager's own).
-fn release_behind_attempt(inner: &Arc<Inner>, request: SetRequest) {
-    let release = release_set_logged(inner.clone(), request);
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => {
-            // One poll queues the request on the connection; the task finishes the rest.
-            let mut release = Box::pin(release);
-            let mut cx = Context::from_waker(Waker::noop());
-            if release.as_mut().poll(&mut cx).is_pending() {
-                drop(runtime.spawn(release));
-            }
-        }
-        Err(_) => inner.driver.spawn(release),
     }
 }
 

@@ -20,8 +20,14 @@
 //! signal of its own: the release that grants it the lock publishes its token, which the
 //! reader routes to that waiter alone; a release by this manager that grants one of its own
 //! waiters hands the grant to that waiter's standing offer instead, in-process.
+//!
+//! A grant travels to its waiter as a [`Handed`], which gives the lock back if nobody claims
+//! it. What gives a lock back from the manager's own runtime (a dropped guard or grant, a
+//! shutdown) is a [`Releaser`]: a fair lock that its release grants to a waiter of this
+//! manager goes to that waiter's standing offer too.
 
 use std::collections::{HashMap, VecDeque};
+use std::fmt;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -32,11 +38,12 @@ use redis::aio::{PubSubSink, PubSubStream};
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, FairRelease, HoldIds};
 use crate::driver::Driver;
+use crate::lease::{LeaseState, keep_from};
 
-/// The waiting side of one manager.
-#[derive(Debug)]
+/// The waiting side of one manager (a clone is another handle on the same waiters).
+#[derive(Debug, Clone)]
 pub(crate) struct Waiters {
     shared: Arc<Shared>,
 }
@@ -189,7 +196,26 @@ pub(crate) struct Offer {
     pub(crate) lease: Duration,
     /// The waiter may take the lock by a local pass (its request allows cohorts).
     pub(crate) cohort: bool,
-    pub(crate) handed: tokio::sync::oneshot::Sender<crate::guard::Handed>,
+    pub(crate) handed: tokio::sync::oneshot::Sender<Handed>,
+}
+
+/// A lock handed over by a local release, on its way to the waiter that offered to take it.
+/// Dropped unclaimed (that waiter gave up meanwhile), it gives the lock back from the
+/// manager's runtime.
+pub(crate) struct Handed {
+    sent: Instant,
+    unclaimed: Option<(Releaser, Arc<HoldIds>)>,
+    /// Passed locally: the server hold taken over as it is.
+    local: Option<LocalPass>,
+}
+
+/// A server hold passed on by a local release, with no server command: its owner token (in
+/// the hold ids), its lease, and how many passes it is from the server's grant.
+#[derive(Debug)]
+pub(crate) struct LocalPass {
+    pub(crate) ids: Arc<HoldIds>,
+    pub(crate) lease: Arc<LeaseState>,
+    pub(crate) passes: u32,
 }
 
 /// What a release should do about the local waiters of its key.
@@ -753,7 +779,7 @@ impl Ticket {
         token: &str,
         lease: Duration,
         cohort: bool,
-    ) -> tokio::sync::oneshot::Receiver<crate::guard::Handed> {
+    ) -> tokio::sync::oneshot::Receiver<Handed> {
         let (handed, receiver) = tokio::sync::oneshot::channel();
         let offer = Offer {
             token: token.to_owned(),
@@ -930,5 +956,147 @@ async fn read(shared: Weak<Shared>, mut stream: PubSubStream, generation: u64) {
         tracing::debug!("pub/sub connection lost");
         shared.closed.store(generation, Ordering::Release);
         shared.lost_connection(generation);
+    }
+}
+
+impl Handed {
+    /// The lock held as `ids`, handed over at `sent` (when its lease began), and passed
+    /// locally as `local` if it was; dropped unclaimed, `releaser` gives `ids` back.
+    pub(crate) fn new(
+        sent: Instant,
+        releaser: Releaser,
+        ids: Arc<HoldIds>,
+        local: Option<LocalPass>,
+    ) -> Self {
+        Self {
+            sent,
+            unclaimed: Some((releaser, ids)),
+            local,
+        }
+    }
+
+    /// Takes the lock over: when the hand-off was sent, which is when its lease began, and
+    /// the server hold it takes over when it was passed locally.
+    pub(crate) fn claim(mut self) -> (Instant, Option<LocalPass>) {
+        self.disarm();
+        (self.sent, self.local.take())
+    }
+
+    /// Whether the lock came by a local pass (the waiter's own token took no part).
+    pub(crate) fn is_local(&self) -> bool {
+        self.local.is_some()
+    }
+
+    /// Until when the lock's lease runs: the shared lease of a hold passed locally, else a
+    /// lease of `ttl` from when the hand-off was sent.
+    pub(crate) fn lease_until(&self, ttl: Duration) -> Instant {
+        match &self.local {
+            Some(local) => local.lease.valid_until(),
+            None => crate::lease::saturating_add(self.sent, ttl),
+        }
+    }
+
+    /// The hold that dropping this gives back: none once claimed or disarmed.
+    pub(crate) fn unclaimed(&self) -> Option<&Arc<HoldIds>> {
+        self.unclaimed.as_ref().map(|(_, ids)| ids)
+    }
+
+    /// Leaves the lock to whoever holds this now: dropping it then gives nothing back.
+    pub(crate) fn disarm(&mut self) {
+        self.unclaimed = None;
+    }
+}
+
+impl fmt::Debug for Handed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Handed")
+            .field("sent", &self.sent)
+            .field("claimed", &self.unclaimed.is_none())
+            .finish()
+    }
+}
+
+impl Drop for Handed {
+    fn drop(&mut self) {
+        if let Some((releaser, ids)) = self.unclaimed.take() {
+            releaser.in_background(ids, None);
+        }
+    }
+}
+
+/// What gives a hold back from the manager's own runtime: the server, that runtime (which
+/// outlives the caller's, and works outside any runtime), and the manager's waiters, to wake
+/// or to hand a fair lock to.
+#[derive(Debug, Clone)]
+pub(crate) struct Releaser {
+    pub(crate) backend: Backend,
+    pub(crate) driver: Arc<Driver>,
+    pub(crate) waiters: Waiters,
+}
+
+impl Releaser {
+    /// Sends a release for one hold from the manager's own runtime, without waiting for it;
+    /// the outcome is only logged. That runtime outlives the caller's, so this works while the
+    /// caller's runtime shuts down, and outside any runtime.
+    pub(crate) fn in_background(&self, ids: Arc<HoldIds>, keep_until: Option<Instant>) {
+        let task = self.clone().logged(ids, keep_until);
+        self.driver.spawn(task);
+    }
+
+    /// Releases one hold (keeping the key until `keep_until`), wakes or hands the lock to the
+    /// local waiters, and logs the outcome.
+    pub(crate) async fn logged(self, ids: Arc<HoldIds>, keep_until: Option<Instant>) {
+        if ids.fair.is_some() {
+            let sent = Instant::now();
+            match self.backend.release_fair(&ids).await {
+                Ok(FairRelease::Granted(next)) => self.hand_fair(&ids, &next, sent),
+                Ok(FairRelease::Freed) => self.waiters.released(&ids.wake),
+                Ok(FairRelease::NotHeld) => {
+                    tracing::debug!(lock = %ids.lock, "background release found the lock already gone");
+                }
+                Err(error) => tracing::warn!(
+                    lock = %ids.lock, %error,
+                    "background release failed; the lease will expire"
+                ),
+            }
+            return;
+        }
+        match self.backend.release(&ids, keep_from(keep_until)).await {
+            Ok(true) => {
+                self.waiters.released(&ids.wake);
+                tracing::debug!(lock = %ids.lock, "released in the background");
+            }
+            Ok(false) => {
+                tracing::debug!(lock = %ids.lock, "background release found the lock already gone");
+            }
+            Err(error) => tracing::warn!(
+                lock = %ids.lock, %error,
+                "background release failed; the lease will expire"
+            ),
+        }
+    }
+
+    /// A release of fair lock `ids` (sent at `sent`) granted it to the owner of token `next`:
+    /// if that is a waiter of this manager with a standing offer, it gets the lock in-process,
+    /// its lease counted from `sent` (the grant gave it its whole lease, after `sent`). Any
+    /// other waiter hears the grant's publish, and asks.
+    pub(crate) fn hand_fair(&self, ids: &HoldIds, next: &str, sent: Instant) {
+        let Grant::Offer(offer) = self.waiters.grant(&ids.wake, next) else {
+            return;
+        };
+        let fair = ids
+            .fair
+            .as_ref()
+            .map(|queue| queue.for_owner(self.waiters.tag(), offer.lease, &offer.token));
+        let next = Arc::new(HoldIds {
+            token: offer.token,
+            fair,
+            ..ids.clone()
+        });
+        self.waiters.handed_off();
+        // A waiter that gave up meanwhile drops it, which gives the lock back.
+        let _ = offer
+            .handed
+            .send(Handed::new(sent, self.clone(), next, None));
     }
 }

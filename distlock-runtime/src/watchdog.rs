@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
-use crate::backend::{HoldIds, Renewal};
+use crate::backend::{Backend, HoldIds, Renewal};
+use crate::driver::Driver;
 use crate::lease::{LeaseState, saturating_add};
-use crate::manager::Inner;
 
 /// At most this many leases per renewal script call.
 const BATCH: usize = 512;
@@ -58,6 +58,14 @@ pub(crate) struct Target {
     /// The hold to renew: its lock, share and owner token.
     pub(crate) hold: Arc<HoldIds>,
     pub(crate) metrics: crate::metrics::Labels,
+}
+
+/// What renewals go through: the manager's driver, which runs the watchdog's task, and its
+/// backend, which that task renews through.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Through<'a> {
+    pub(crate) driver: &'a Driver,
+    pub(crate) backend: &'a Backend,
 }
 
 /// Counters of the renewal work done by a manager.
@@ -123,10 +131,10 @@ impl Watchdog {
     }
 
     /// Starts renewing the hold `target` every ~`ttl`/3 until the registration is dropped or
-    /// `max_hold` has passed since `acquired`.
-    pub(crate) fn register(
+    /// `max_hold` has passed since `acquired`, `through` the manager's driver and backend.
+    pub(crate) fn register<'a>(
         &self,
-        manager: &Arc<Inner>,
+        through: impl Into<Through<'a>>,
         target: Target,
         state: Arc<LeaseState>,
         acquired: Instant,
@@ -153,8 +161,8 @@ impl Watchdog {
             (id, !std::mem::replace(&mut leases.running, true))
         };
         if start {
-            let task = run(self.shared.clone(), Arc::downgrade(manager));
-            manager.driver.spawn(task);
+            let Through { driver, backend } = through.into();
+            driver.spawn(run(self.shared.clone(), backend.clone()));
         } else {
             self.shared.wake.notify_one();
         }
@@ -175,7 +183,7 @@ struct Due {
 }
 
 /// The watchdog task: ends when no lease is left, or with the manager's runtime.
-async fn run(shared: Arc<Shared>, manager: Weak<Inner>) {
+async fn run(shared: Arc<Shared>, backend: Backend) {
     loop {
         let (due, next_wake) = {
             let mut leases = shared.lock();
@@ -187,11 +195,7 @@ async fn run(shared: Arc<Shared>, manager: Weak<Inner>) {
             (due, next_wake)
         };
         if !due.is_empty() {
-            let Some(inner) = manager.upgrade() else {
-                return;
-            };
-            renew(&shared, &inner, due).await;
-            drop(inner);
+            renew(&shared, &backend, due).await;
             continue;
         }
         let wake = shared.wake.notified();
@@ -252,7 +256,7 @@ fn collect_due(leases: &mut Leases) -> (Vec<Due>, Instant) {
     (due, next_wake)
 }
 
-async fn renew(shared: &Shared, inner: &Inner, due: Vec<Due>) {
+async fn renew(shared: &Shared, backend: &Backend, due: Vec<Due>) {
     for batch in due.chunks(BATCH) {
         let sent = Instant::now();
         let items: Vec<Renewal<'_>> = batch
@@ -265,7 +269,7 @@ async fn renew(shared: &Shared, inner: &Inner, due: Vec<Due>) {
             })
             .collect();
         shared.counters.round_trips.fetch_add(1, Ordering::Relaxed);
-        match inner.backend.renew(&items).await {
+        match backend.renew(&items).await {
             Ok(results) => {
                 let mut leases = shared.lock();
                 for (lease, renewed) in batch.iter().zip(results) {
