@@ -1,6 +1,7 @@
 //! The least privilege a Redis ACL user of distlock needs: [`LockManager::acl_rules`].
 
 use crate::LockManager;
+use crate::inspect::glob_escape;
 
 /// Every command distlock sends, directly or from its scripts (which run as the same user).
 ///
@@ -61,18 +62,6 @@ impl LockManager {
         rules.push('*');
         rules
     }
-}
-
-/// `prefix` with the characters that ACL glob patterns interpret escaped.
-fn glob_escape(prefix: &str) -> String {
-    let mut escaped = String::with_capacity(prefix.len());
-    for c in prefix.chars() {
-        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
-            escaped.push('\\');
-        }
-        escaped.push(c);
-    }
-    escaped
 }
 
 #[cfg(test)]

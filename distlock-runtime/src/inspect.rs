@@ -281,8 +281,9 @@ fn name_of(prefix: &str, key: &str) -> Option<String> {
     (lock_key(prefix, &name) == key).then_some(name)
 }
 
-/// `prefix` with the characters that SCAN patterns interpret escaped.
-fn glob_escape(prefix: &str) -> String {
+/// `prefix` with the characters that Redis glob patterns (SCAN's `MATCH`, and the key and
+/// channel patterns of ACL rules) interpret escaped.
+pub(crate) fn glob_escape(prefix: &str) -> String {
     let mut escaped = String::with_capacity(prefix.len());
     for c in prefix.chars() {
         if matches!(c, '*' | '?' | '[' | ']' | '\\') {

@@ -90,6 +90,16 @@ pub(crate) const FAIR_ENTRY_LEASE: Duration = Duration::from_secs(3);
 /// The longest a fair waiter goes without asking (and renewing its entry).
 pub(crate) const FAIR_REFRESH: Duration = Duration::from_secs(1);
 
+/// One hold, named by borrowed strings: what a check or an extension of it sends.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HoldRef<'a> {
+    pub(crate) lock: &'a str,
+    /// The share's lease key, for read locks and permits.
+    pub(crate) share: Option<&'a str>,
+    /// The owner token.
+    pub(crate) token: &'a str,
+}
+
 /// One lease in a watchdog batch.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Renewal<'a> {

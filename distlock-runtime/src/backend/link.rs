@@ -231,11 +231,31 @@ static GENERATION: Generations = Generations(std::sync::atomic::AtomicU64::new(0
 /// `cmd.query_async(conn)`, but without the boxed future of `ConnectionLike` where the
 /// connection can avoid it.
 pub(super) trait Query: redis::aio::ConnectionLike + Send {
+    /// Sends one command and returns the server's answer, a server error as a value.
+    fn send_command(&mut self, cmd: &Cmd) -> impl Future<Output = RedisResult<Value>> + Send;
+
+    /// Sends `count` commands of `pipeline` from `offset` back to back, as
+    /// [`send_command`](Self::send_command) does one: by default through `ConnectionLike`,
+    /// boxed.
+    fn send_commands(
+        &mut self,
+        pipeline: &Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> impl Future<Output = RedisResult<Vec<Value>>> + Send {
+        async move { self.req_packed_commands(pipeline, offset, count).await }
+    }
+
     /// Sends `cmd` and converts its answer; a server error is an `Err`.
     fn query<T: redis::FromRedisValue>(
         &mut self,
         cmd: &Cmd,
-    ) -> impl Future<Output = RedisResult<T>> + Send;
+    ) -> impl Future<Output = RedisResult<T>> + Send {
+        async move {
+            let value = self.send_command(cmd).await?;
+            Ok(redis::from_redis_value(value.extract_error()?)?)
+        }
+    }
 
     /// Sends every command of `pipeline` back to back and returns their answers, a server
     /// error as a value among them. Not for transactions (`atomic()`), whose answers come
@@ -243,39 +263,18 @@ pub(super) trait Query: redis::aio::ConnectionLike + Send {
     fn query_each(
         &mut self,
         pipeline: &Pipeline,
-    ) -> impl Future<Output = RedisResult<Vec<Value>>> + Send;
-}
-
-impl Query for MultiplexedConnection {
-    async fn query<T: redis::FromRedisValue>(&mut self, cmd: &Cmd) -> RedisResult<T> {
-        let value = self.send_packed_command(cmd).await?;
-        Ok(redis::from_redis_value(value.extract_error()?)?)
-    }
-
-    async fn query_each(&mut self, pipeline: &Pipeline) -> RedisResult<Vec<Value>> {
+    ) -> impl Future<Output = RedisResult<Vec<Value>>> + Send {
         debug_assert!(
             !pipeline.is_transaction(),
             "a transaction's answers are wrapped"
         );
-        self.send_packed_commands(pipeline, 0, pipeline.len()).await
+        self.send_commands(pipeline, 0, pipeline.len())
     }
 }
 
-impl redis::aio::ConnectionLike for Link {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> redis::RedisFuture<'a, Value> {
-        Box::pin(self.send(cmd))
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> redis::RedisFuture<'a, Vec<Value>> {
-        Box::pin(self.send_pipeline(pipeline, offset, count))
-    }
-
-    fn get_db(&self) -> i64 {
-        self.db()
+/// The connections of grants that WAIT for replicas: one command in place.
+impl Query for MultiplexedConnection {
+    async fn send_command(&mut self, cmd: &Cmd) -> RedisResult<Value> {
+        self.send_packed_command(cmd).await
     }
 }

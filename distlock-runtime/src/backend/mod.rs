@@ -1,10 +1,11 @@
 //! Where locks live: the Redis deployment behind a manager.
 //!
 //! One room per topology: `node.rs` is one endpoint (a server, with `sentinel.rs` for a
-//! Sentinel-managed master and `cluster.rs` for a Cluster, both reached through one `Node`),
-//! `redlock.rs` the majority rule over independent masters, `hold.rs` what an operation
-//! names and sends, and `sets.rs` sets of locks taken together. [`Backend`] picks the room;
-//! [`Capabilities`] says, once, what the deployment can do.
+//! Sentinel-managed master and `cluster.rs` for a Cluster, both reached through one `Node`,
+//! whose `route.rs` decides all that differs between the three), `redlock.rs` the majority
+//! rule over independent masters, `hold.rs` what an operation names and sends, and `sets.rs`
+//! sets of locks taken together. [`Backend`] picks the room; [`Capabilities`] says, once, what
+//! the deployment can do.
 //!
 //! Every method here runs on the manager's driver runtime (see `driver`) and is bounded by the
 //! manager's response timeout, including the time spent waiting for a reconnect.
@@ -18,6 +19,7 @@ mod hold;
 mod link;
 mod node;
 mod redlock;
+mod route;
 mod sentinel;
 mod sets;
 
@@ -28,17 +30,20 @@ pub(crate) use hold::{
 pub(crate) use node::{ConnectOptions, Node, denied};
 pub(crate) use sets::{SetAttempt, SetKey, SetRequest};
 
+use crate::scripts;
+use hold::HoldRef;
 use redlock::RedLock;
 
 /// Where locks live: one endpoint (a server, a Sentinel-managed master, a Cluster), or
 /// independent masters under the RedLock rules.
 #[derive(Clone, Debug)]
 pub(crate) struct Backend {
-    topology: Topology,
+    deployment: Deployment,
 }
 
+/// The endpoints behind a backend: one, or independent masters under the RedLock rules.
 #[derive(Clone, Debug)]
-enum Topology {
+enum Deployment {
     One(Node),
     RedLock(RedLock),
 }
@@ -59,13 +64,13 @@ pub(crate) struct Capabilities {
     pub(crate) shared_kinds: bool,
 }
 
-/// Runs the arm of the backend's topology. The RedLock arm is boxed: its fan-out over the
+/// Runs the arm of the backend's deployment. The RedLock arm is boxed: its fan-out over the
 /// masters would otherwise make every caller's future as large as its own.
 macro_rules! each {
     ($self:ident, $node:ident => $one:expr, $masters:ident => $redlock:expr) => {
-        match &$self.topology {
-            Topology::One($node) => $one,
-            Topology::RedLock($masters) => Box::pin(async move { $redlock }).await,
+        match &$self.deployment {
+            Deployment::One($node) => $one,
+            Deployment::RedLock($masters) => Box::pin(async move { $redlock }).await,
         }
     };
 }
@@ -107,26 +112,26 @@ impl Backend {
     ) -> RedisResult<Self> {
         let masters = RedLock::connect(urls, options).await?;
         Ok(Self {
-            topology: Topology::RedLock(masters),
+            deployment: Deployment::RedLock(masters),
         })
     }
 
     fn one(node: Node) -> Self {
         Self {
-            topology: Topology::One(node),
+            deployment: Deployment::One(node),
         }
     }
 
     /// What this deployment can do.
     pub(crate) fn capabilities(&self) -> Capabilities {
-        match &self.topology {
-            Topology::One(node) => Capabilities {
+        match &self.deployment {
+            Deployment::One(node) => Capabilities {
                 hand_off: !node.syncs_replicas(),
                 fair: true,
                 fencing: true,
                 shared_kinds: true,
             },
-            Topology::RedLock(_) => Capabilities {
+            Deployment::RedLock(_) => Capabilities {
                 hand_off: false,
                 fair: false,
                 fencing: false,
@@ -137,9 +142,9 @@ impl Backend {
 
     /// Every endpoint: the one, or each RedLock master.
     pub(crate) fn nodes(&self) -> &[Node] {
-        match &self.topology {
-            Topology::One(node) => std::slice::from_ref(node),
-            Topology::RedLock(masters) => &masters.nodes,
+        match &self.deployment {
+            Deployment::One(node) => std::slice::from_ref(node),
+            Deployment::RedLock(masters) => &masters.nodes,
         }
     }
 
@@ -191,8 +196,14 @@ impl Backend {
         next: &str,
         lease: Duration,
     ) -> RedisResult<bool> {
+        let hand_off = scripts::HandOff {
+            lock: &ids.lock,
+            token: &ids.token,
+            next,
+            lease,
+        };
         each!(self,
-            node => node.hand_off(ids, next, lease).await,
+            node => node.hand_off(&hand_off).await,
             _masters => Ok(false))
     }
 
@@ -204,9 +215,10 @@ impl Backend {
         token: &str,
         lease: Duration,
     ) -> RedisResult<bool> {
+        let hold = HoldRef { lock, share, token };
         each!(self,
-            node => node.extend(lock, share, token, lease).await,
-            masters => masters.extend(lock, share, token, lease).await)
+            node => node.extend(hold, lease).await,
+            masters => masters.extend(hold, lease).await)
     }
 
     /// Renews a batch; with RedLock, a lease counts as renewed on a majority.
@@ -221,9 +233,10 @@ impl Backend {
         share: Option<&str>,
         token: &str,
     ) -> RedisResult<bool> {
+        let hold = HoldRef { lock, share, token };
         each!(self,
-            node => node.holds(lock, share, token).await,
-            masters => masters.holds(lock, share, token).await)
+            node => node.holds(hold).await,
+            masters => masters.holds(hold).await)
     }
 
     /// Takes back a waiting writer's intent (see [`Node::withdraw_intent`]). RedLock has no
@@ -234,8 +247,13 @@ impl Backend {
         wake: &str,
         token: &str,
     ) -> RedisResult<bool> {
+        let withdraw = scripts::WithdrawIntent {
+            intent,
+            wake,
+            token,
+        };
         each!(self,
-            node => node.withdraw_intent(intent, wake, token).await,
+            node => node.withdraw_intent(&withdraw).await,
             _masters => Ok(false))
     }
 

@@ -1,21 +1,17 @@
 //! One endpoint: a single server, a Sentinel-managed master (see `sentinel.rs`) or a whole
-//! Cluster behind one slot-aware connection (see `cluster.rs`). It keeps a connection per
-//! tokio runtime, loads the scripts, finds the server's native commands at `build()`, and
-//! runs every operation on a lock.
+//! Cluster behind one slot-aware connection (see `cluster.rs`); what differs between them is
+//! its route's (see `route.rs`). It keeps a connection per tokio runtime, loads the scripts,
+//! finds the server's native commands at `build()`, and runs every operation on a lock.
 
 use std::collections::HashMap;
 use std::io;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use futures_util::future::join_all;
 use tokio::runtime;
 
 use redis::aio::MultiplexedConnection;
-use redis::cluster::ClusterClient;
-use redis::cluster_async::ClusterConnection;
 use redis::{
     AsyncConnectionConfig, Client, ErrorKind, IntoConnectionInfo, RedisError, RedisResult,
     ServerErrorKind,
@@ -26,10 +22,10 @@ use crate::scripts;
 
 use super::hold::{
     AcquireCall, AcquireRequest, Attempt, FAIR_ENTRY_LEASE, FAIR_UNCLAIMED, FairRelease, HoldIds,
-    Renewal, Shape, millis,
+    HoldRef, Renewal, Shape, millis,
 };
 use super::link::{Link, Query};
-use super::sentinel::Sentinel;
+use super::route::{Bounds, Conn, Route};
 use crate::security::Security;
 
 /// Awaits `op`, a request on a connection whose [`Bounds`] are `bounds`, within the
@@ -76,9 +72,11 @@ pub(crate) struct Node {
 }
 
 pub(super) struct Pool {
-    /// Where the connections go; replaced when Sentinel names a new master.
+    /// The topology: how a runtime's connection is opened and where commands go.
+    pub(super) route: Route,
+    /// Where the connections go: the server, the master that Sentinel named last (replaced
+    /// when it names a new one), or a Cluster's first seed (for pub/sub).
     pub(super) client: Mutex<Client>,
-    pub(super) sentinel: Option<Sentinel>,
     /// For RedLock masters: is this still the server we knew (its run_id)?
     pub(super) identity: Mutex<Identity>,
     pub(super) restart_delay: Duration,
@@ -91,8 +89,6 @@ pub(super) struct Pool {
     /// With `sync_replicas`: idle connections of each runtime for a grant and its WAIT, which
     /// blocks the connection it runs on (and must run on the one that wrote the grant).
     pub(super) replicated: Mutex<HashMap<runtime::Id, Vec<MultiplexedConnection>>>,
-    /// Set for a Redis Cluster: connections follow the slot map (MOVED, ASK, failovers).
-    pub(super) cluster: Option<ClusterClient>,
     /// The server's native compare-and-delete, as found at `build()`.
     pub(super) delete: Mutex<NativeDelete>,
     pub(super) security: Arc<Security>,
@@ -112,88 +108,6 @@ pub(crate) enum NativeDelete {
     DelEx,
 }
 
-/// A connection of one runtime: to one server, or to a whole Cluster.
-#[derive(Clone)]
-pub(super) enum Conn {
-    Single(Link),
-    Cluster(ClusterConnection),
-}
-
-/// What bounds the wait for an answer on a connection.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Bounds {
-    /// The connection's own response timeout.
-    Itself,
-    /// A timer around the request.
-    Timer,
-}
-
-impl Conn {
-    fn bounds(&self) -> Bounds {
-        match self {
-            Self::Single(_) => Bounds::Itself,
-            Self::Cluster(_) => Bounds::Timer,
-        }
-    }
-}
-
-impl redis::aio::ConnectionLike for Conn {
-    fn req_packed_command<'a>(
-        &'a mut self,
-        cmd: &'a redis::Cmd,
-    ) -> redis::RedisFuture<'a, redis::Value> {
-        match self {
-            Self::Single(conn) => conn.req_packed_command(cmd),
-            Self::Cluster(conn) => conn.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
-        match self {
-            Self::Single(conn) => conn.req_packed_commands(pipeline, offset, count),
-            Self::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Self::Single(conn) => conn.get_db(),
-            Self::Cluster(conn) => conn.get_db(),
-        }
-    }
-}
-
-impl Query for Conn {
-    async fn query<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> RedisResult<T> {
-        let value = match self {
-            Self::Single(link) => link.send(cmd).await?,
-            Self::Cluster(conn) => {
-                redis::aio::ConnectionLike::req_packed_command(conn, cmd).await?
-            }
-        };
-        Ok(redis::from_redis_value(value.extract_error()?)?)
-    }
-
-    async fn query_each(&mut self, pipeline: &redis::Pipeline) -> RedisResult<Vec<redis::Value>> {
-        debug_assert!(
-            !pipeline.is_transaction(),
-            "a transaction's answers are wrapped"
-        );
-        match self {
-            Self::Single(link) => link.send_pipeline(pipeline, 0, pipeline.len()).await,
-            Self::Cluster(conn) => {
-                let count = pipeline.len();
-                redis::aio::ConnectionLike::req_packed_commands(conn, pipeline, 0, count).await
-            }
-        }
-    }
-}
-
 impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Node")
@@ -205,14 +119,15 @@ impl std::fmt::Debug for Node {
 impl Node {
     /// A node for `url`; nothing is sent until it is used.
     pub(crate) fn new(url: &str, options: ConnectOptions) -> RedisResult<Self> {
-        Self::with(url, options, None, None)
+        Self::with(url, options, Route::Server)
     }
 
+    /// A node that reaches `url` (the server, the master, or a Cluster's first seed) by
+    /// `route`; nothing is sent until it is used.
     pub(super) fn with(
         url: impl IntoConnectionInfo,
         options: ConnectOptions,
-        sentinel: Option<Sentinel>,
-        cluster: Option<ClusterClient>,
+        route: Route,
     ) -> RedisResult<Self> {
         let client = options.security.client(url)?;
         let config = AsyncConnectionConfig::new()
@@ -220,11 +135,10 @@ impl Node {
             .set_response_timeout(Some(options.response_timeout));
         let node = Self {
             pool: Arc::new(Pool {
+                route,
                 client: Mutex::new(client),
-                sentinel,
                 identity: Mutex::new(Identity::default()),
                 restart_delay: options.restart_delay,
-                cluster,
                 config,
                 response_timeout: options.response_timeout,
                 connect_timeout: options.connect_timeout,
@@ -240,10 +154,6 @@ impl Node {
         Ok(node)
     }
 
-    pub(super) fn is_cluster(&self) -> bool {
-        self.pool.cluster.is_some()
-    }
-
     pub(super) fn client(&self) -> Client {
         self.pool
             .client
@@ -256,26 +166,12 @@ impl Node {
     /// node look for the current master in the background; a lost connection makes a node
     /// suspect of having restarted until its run_id is checked.
     pub(super) fn watch<T>(&self, result: RedisResult<T>) -> RedisResult<T> {
-        if let Err(error) = &result
-            && (error.is_io_error()
-                || error.is_connection_dropped()
-                || error.is_connection_refusal())
-        {
-            self.lock_identity().suspect = true;
-        }
-        if let (Err(error), Some(sentinel)) = (&result, &self.pool.sentinel) {
-            let failover = error.is_io_error()
-                || error.is_timeout()
-                || error.is_connection_refusal()
-                || error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly);
-            if failover && !sentinel.refreshing.swap(true, Ordering::AcqRel) {
-                let node = self.clone();
-                if let Ok(runtime) = runtime::Handle::try_current() {
-                    drop(runtime.spawn(async move { node.follow_master().await }));
-                } else {
-                    sentinel.refreshing.store(false, Ordering::Release);
-                }
+        if let Err(error) = &result {
+            if error.is_io_error() || error.is_connection_dropped() || error.is_connection_refusal()
+            {
+                self.lock_identity().suspect = true;
             }
+            self.pool.route.failed(self, error);
         }
         result
     }
@@ -289,7 +185,7 @@ impl Node {
         }
         let delete = self.native_delete(&mut conn).await;
         *self.pool.delete.lock().unwrap_or_else(|e| e.into_inner()) = delete;
-        if !self.is_cluster() {
+        if self.pool.route.one_server() {
             match self.run_id().await {
                 Ok(run_id) => {
                     // Just read: the connection that read it needs no second look.
@@ -345,22 +241,9 @@ impl Node {
         &self,
         cmds: &[redis::Cmd],
     ) -> RedisResult<(usize, Vec<(String, redis::Value)>)> {
-        use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
         let mut last = None;
         for (at, cmd) in cmds.iter().enumerate() {
-            let answers = match self.conn().await? {
-                Conn::Cluster(mut conn) => {
-                    let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
-                    let answers = self.bounded(conn.route_command(cmd.clone(), all)).await;
-                    answers.and_then(|a| Ok(redis::from_redis_value(a)?))
-                }
-                Conn::Single(mut conn) => {
-                    let master = self.client().get_connection_info().addr().to_string();
-                    let answer = self.watch(self.bounded(cmd.query_async(&mut conn)).await);
-                    answer.map(|answer| vec![(master, answer)])
-                }
-            };
-            match answers {
+            match self.conn().await?.each_master(self, cmd).await {
                 Ok(answers) => return Ok((at, answers)),
                 Err(error) if denied(&error) => last = Some(error),
                 Err(error) => return Err(error),
@@ -377,61 +260,7 @@ impl Node {
 
     /// Every key matching `pattern`, by SCAN on the server (on Cluster: on every master).
     pub(crate) async fn scan(&self, pattern: &str) -> RedisResult<Vec<String>> {
-        use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-        let mut found = Vec::new();
-        match self.conn().await? {
-            Conn::Single(mut conn) => {
-                let mut cursor = 0u64;
-                loop {
-                    let scan = redis::cmd("SCAN")
-                        .arg(cursor)
-                        .arg("MATCH")
-                        .arg(pattern)
-                        .arg("COUNT")
-                        .arg(1000)
-                        .to_owned();
-                    let (next, keys): (u64, Vec<String>) =
-                        self.watch(self.bounded(scan.query_async(&mut conn)).await)?;
-                    found.extend(keys);
-                    if next == 0 {
-                        break;
-                    }
-                    cursor = next;
-                }
-            }
-            Conn::Cluster(mut conn) => {
-                let (_, masters) = self.ask_masters(&[redis::cmd("PING")]).await?;
-                for (address, _) in masters {
-                    let Some((host, port)) = address
-                        .rsplit_once(':')
-                        .and_then(|(h, p)| Some((h.to_owned(), p.parse::<u16>().ok()?)))
-                    else {
-                        continue;
-                    };
-                    let mut cursor = 0u64;
-                    loop {
-                        let scan = redis::cmd("SCAN")
-                            .arg(cursor)
-                            .arg("MATCH")
-                            .arg(pattern)
-                            .arg("COUNT")
-                            .arg(1000)
-                            .to_owned();
-                        let node = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
-                            host: host.clone(),
-                            port,
-                        });
-                        let answer = self.bounded(conn.route_command(scan, node)).await?;
-                        let (next, keys): (u64, Vec<String>) = redis::from_redis_value(answer)?;
-                        found.extend(keys);
-                        if next == 0 {
-                            break;
-                        }
-                        cursor = next;
-                    }
-                }
-            }
-        }
+        let mut found = self.conn().await?.scan(self, pattern).await?;
         found.sort();
         found.dedup();
         Ok(found)
@@ -500,33 +329,7 @@ impl Node {
         if let Some(conn) = self.known_conn(id) {
             return Ok(conn);
         }
-        let conn = match &self.pool.cluster {
-            Some(cluster) => {
-                // Boxed: once per runtime, and its state would otherwise weigh on every
-                // operation's future.
-                let connect = Box::pin(cluster.get_async_connection());
-                Conn::Cluster(bounded(self.pool.connect_timeout * 3, connect).await?)
-            }
-            None => {
-                // A connection the server ended may mean a restart: the server's identity is
-                // checked again, as after a failed request.
-                let pool = Arc::downgrade(&self.pool);
-                let lost = Arc::new(move || {
-                    if let Some(pool) = pool.upgrade() {
-                        pool.identity
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .suspect = true;
-                    }
-                });
-                Conn::Single(Link::new(
-                    self.client(),
-                    self.pool.config.clone(),
-                    self.pool.client_name.clone(),
-                    lost,
-                ))
-            }
-        };
+        let conn = self.pool.route.open(self).await?;
         let (conn, first) = {
             let mut conns = self.lock_conns();
             let first = !conns.contains_key(&id);
@@ -553,6 +356,26 @@ impl Node {
         Ok(conn)
     }
 
+    /// A new link to the server, for the current runtime. A connection the server ended may
+    /// mean a restart: the server's identity is checked again, as after a failed request.
+    pub(super) fn link(&self) -> Link {
+        let pool = Arc::downgrade(&self.pool);
+        let lost = Arc::new(move || {
+            if let Some(pool) = pool.upgrade() {
+                pool.identity
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .suspect = true;
+            }
+        });
+        Link::new(
+            self.client(),
+            self.pool.config.clone(),
+            self.pool.client_name.clone(),
+            lost,
+        )
+    }
+
     fn known_conn(&self, id: runtime::Id) -> Option<Conn> {
         let known = self
             .pool
@@ -572,9 +395,19 @@ impl Node {
     /// One acquire attempt for the hold of `req.token` on `req.lock`.
     pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
         let mut conn = self.conn().await?;
+        let call = self.acquire_call(req);
+        if let Some(sync) = self.pool.sync_replicas {
+            return Box::pin(self.acquire_replicated(req, &call, sync)).await;
+        }
+        let bounds = conn.bounds();
+        self.watch(answer!(self, bounds, call.run(&mut conn, &req.token)))
+    }
+
+    /// What an acquire attempt sends for the shape of `req`.
+    fn acquire_call<'a>(&self, req: &'a AcquireRequest) -> AcquireCall<'a> {
         let lease = millis(req.lease);
         let fence = || req.fence();
-        let call = match &req.shape {
+        match &req.shape {
             // One native command: set if absent; the value already there tells the rest.
             Shape::Plain => {
                 let mut set = command("SET", 7, req.lock.len() + req.token.len() + 32);
@@ -652,12 +485,7 @@ impl Node {
                 }
                 .call(),
             ),
-        };
-        if let Some(sync) = self.pool.sync_replicas {
-            return Box::pin(self.acquire_replicated(req, &call, sync)).await;
         }
-        let bounds = conn.bounds();
-        self.watch(answer!(self, bounds, call.run(&mut conn, &req.token)))
     }
 
     /// Runs an acquire script and, after a grant, WAITs for `wanted` replicas for at most
@@ -913,35 +741,25 @@ impl Node {
         Ok(u64::try_from(released - 1).ok())
     }
 
-    /// Passes the plain lock of `ids` to the owner `next` with `lease`, if `ids` still owns
-    /// it: with a conditional `SET … IFEQ` where the server has one (it came with the native
-    /// compare-and-delete), with `handoff.lua` otherwise. `false` when it did not own it.
-    pub(crate) async fn hand_off(
-        &self,
-        ids: &HoldIds,
-        next: &str,
-        lease: Duration,
-    ) -> RedisResult<bool> {
+    /// Passes the plain lock `hand_off.lock` from `hand_off.token` to the owner
+    /// `hand_off.next` with `hand_off.lease`, if the token still owns it: with a conditional
+    /// `SET … IFEQ` where the server has one (it came with the native compare-and-delete),
+    /// with `handoff.lua` otherwise. `false` when it did not own it.
+    pub(crate) async fn hand_off(&self, hand_off: &scripts::HandOff<'_>) -> RedisResult<bool> {
         let mut conn = self.conn().await?;
         let bounds = conn.bounds();
         if self.delete() == NativeDelete::Script {
-            let call = scripts::HandOff {
-                lock: &ids.lock,
-                token: &ids.token,
-                next,
-                lease,
-            }
-            .call();
+            let call = hand_off.call();
             let swapped: i64 = self.watch(answer!(self, bounds, call.invoke_async(&mut conn)))?;
             return Ok(swapped == 1);
         }
         let swap = redis::cmd("SET")
-            .arg(&ids.lock)
-            .arg(next)
+            .arg(hand_off.lock)
+            .arg(hand_off.next)
             .arg("IFEQ")
-            .arg(&ids.token)
+            .arg(hand_off.token)
             .arg("PX")
-            .arg(millis(lease))
+            .arg(millis(hand_off.lease))
             .to_owned();
         match answer!(self, bounds, swap.query_async::<Option<String>>(&mut conn)) {
             Ok(swapped) => Ok(swapped.is_some()),
@@ -951,20 +769,14 @@ impl Node {
         }
     }
 
-    /// Sets the lease of `lock` (and of the share, for shares) if `token` owns it; `false`
-    /// when it did not.
-    pub(crate) async fn extend(
-        &self,
-        lock: &str,
-        share: Option<&str>,
-        token: &str,
-        lease: Duration,
-    ) -> RedisResult<bool> {
+    /// Sets the lease of the lock of `hold` (and of the share, for shares) if its token owns
+    /// it; `false` when it did not.
+    pub(crate) async fn extend(&self, hold: HoldRef<'_>, lease: Duration) -> RedisResult<bool> {
         let mut conn = self.conn().await?;
         let call = scripts::Extend {
-            lock,
-            share,
-            token,
+            lock: hold.lock,
+            share: hold.share,
+            token: hold.token,
             lease,
         }
         .call();
@@ -972,29 +784,15 @@ impl Node {
         Ok(extended == 1)
     }
 
-    /// Renews every `(lock, share, token, lease)` still held by its token, in one round trip.
+    /// Renews every `(lock, share, token, lease)` still held by its token, in one round trip
+    /// (on Cluster, one per hash slot, all at once).
     pub(crate) async fn renew(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<bool>> {
-        if !self.is_cluster() {
-            return self.renew_together(items).await;
-        }
-        // A script touches one hash slot: one call per slot, all slots at once.
-        let mut by_slot: HashMap<redis::cluster_routing::Slot, Vec<usize>> = HashMap::new();
-        for (at, item) in items.iter().enumerate() {
-            let slot = redis::cluster_routing::Slot::for_key(item.lock);
-            by_slot.entry(slot).or_default().push(at);
-        }
-        let groups: Vec<Vec<usize>> = by_slot.into_values().collect();
-        let calls = groups.iter().map(|group| {
+        let locks = items.iter().map(|item| item.lock);
+        let renew = |group: &[usize]| {
             let batch: Vec<Renewal<'_>> = group.iter().map(|&at| items[at]).collect();
             async move { self.renew_together(&batch).await }
-        });
-        let mut renewed = vec![false; items.len()];
-        for (group, answer) in groups.iter().zip(join_all(calls).await) {
-            for (&at, yes) in group.iter().zip(answer?) {
-                renewed[at] = yes;
-            }
-        }
-        Ok(renewed)
+        };
+        self.pool.route.per_slot(locks, renew).await
     }
 
     /// Renews leases that all live in one hash slot (any leases, off Cluster) in one call.
@@ -1016,13 +814,10 @@ impl Node {
         bounded(self.pool.connect_timeout, self.client().get_async_pubsub()).await
     }
 
-    /// Whether `token` still owns `lock` (for a share: whether the share's lease lives).
-    pub(crate) async fn holds(
-        &self,
-        lock: &str,
-        share: Option<&str>,
-        token: &str,
-    ) -> RedisResult<bool> {
+    /// Whether the token of `hold` still owns its lock (for a share: whether the share's
+    /// lease lives).
+    pub(crate) async fn holds(&self, hold: HoldRef<'_>) -> RedisResult<bool> {
+        let HoldRef { lock, share, token } = hold;
         let mut conn = self.conn().await?;
         let cmd = match share {
             Some(share) => redis::cmd("EXISTS").arg(share).to_owned(),
@@ -1045,21 +840,14 @@ impl Node {
         }
     }
 
-    /// Takes back the write intent `intent` of `token` and wakes the lock's waiters, if the
-    /// intent is still that writer's: whether it was.
+    /// Takes back a waiting writer's intent and wakes the lock's waiters, if the intent is
+    /// still that writer's: whether it was.
     pub(crate) async fn withdraw_intent(
         &self,
-        intent: &str,
-        wake: &str,
-        token: &str,
+        withdraw: &scripts::WithdrawIntent<'_>,
     ) -> RedisResult<bool> {
         let mut conn = self.conn().await?;
-        let call = scripts::WithdrawIntent {
-            intent,
-            wake,
-            token,
-        }
-        .call();
+        let call = withdraw.call();
         let withdrawn: i64 = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
         Ok(withdrawn == 1)
     }

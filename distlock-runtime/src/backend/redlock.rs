@@ -11,10 +11,10 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use futures_util::future::join_all;
 use futures_util::stream::FuturesUnordered;
-use redis::RedisResult;
+use redis::{RedisError, RedisResult};
 use tokio::runtime;
 
-use super::hold::{AcquireRequest, Attempt, HoldIds, Renewal};
+use super::hold::{AcquireRequest, Attempt, HoldIds, HoldRef, Renewal};
 use super::node::{ConnectOptions, Node, bounded};
 
 /// Several independent masters, a majority of which must agree.
@@ -52,9 +52,17 @@ impl RedLock {
         })
     }
 
-    /// Runs `op` on every master at once, each bounded by `limit`; a master kept out of
-    /// quorums after a restart answers with an error instead.
-    pub(crate) async fn on_eligible<'a, T, Fut>(
+    /// Counts the masters' answers to one operation against this quorum.
+    pub(super) fn tally(&self) -> Tally {
+        Tally {
+            quorum: self.quorum,
+            answered: 0,
+            error: None,
+        }
+    }
+
+    /// Runs `op` on every master at once, each bounded by `limit`.
+    pub(super) async fn on_all<'a, T, Fut>(
         &'a self,
         limit: Duration,
         op: impl Fn(&'a Node) -> Fut,
@@ -62,85 +70,56 @@ impl RedLock {
     where
         Fut: Future<Output = RedisResult<T>>,
     {
-        // The check that a master did not restart is part of its attempt, and within the same
-        // bound: a master that does not answer it costs no more than one that does not answer
-        // the attempt.
-        let op = &op;
-        let attempts = self.nodes.iter().map(|node| {
-            bounded(limit, async move {
-                if node.eligible().await {
-                    op(node).await
-                } else {
-                    Err(io::Error::other("master out of quorum after a restart").into())
-                }
-            })
-        });
-        join_all(attempts).await
+        join_all(self.nodes.iter().map(|node| bounded(limit, op(node)))).await
     }
 
     /// One acquire attempt.
     pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
         let limit = node_limit(req.lease);
         let started = std::time::Instant::now();
-        let answers = self.on_eligible(limit, |node| node.acquire(req)).await;
+        let answers = self
+            .on_all(limit, |node| if_eligible(node, node.acquire(req)))
+            .await;
         let elapsed = started.elapsed();
-        let drift = req.lease / 100 + Duration::from_millis(2);
-        let mut held = 0;
-        let mut fence = 0;
+        let mut tally = self.tally();
+        let (mut held, mut fence) = (0, 0);
         let mut busy_for: Option<Duration> = None;
         let mut holder: Option<[u64; 2]> = None;
-        let mut error = None;
-        let mut failed = 0;
-        for answer in answers {
-            match answer {
-                Ok(Attempt::Held { fence: f }) => {
+        for attempt in answers.into_iter().filter_map(|answer| tally.count(answer)) {
+            match attempt {
+                Attempt::Held { fence: f } => {
                     held += 1;
                     fence = fence.max(f);
                 }
                 // Semaphores are not available with several masters: no mismatch comes here.
-                Ok(Attempt::Unreplicated { .. } | Attempt::PermitsMismatch { .. }) => {}
-                Ok(Attempt::Busy {
+                Attempt::Unreplicated { .. } | Attempt::PermitsMismatch { .. } => {}
+                Attempt::Busy {
                     holder_ttl,
                     holder: named,
-                }) => {
+                } => {
                     holder = holder.or(named);
                     // A master whose copy is gone since (another waiter's minority grant,
                     // given back) is free there, not a holder about to leave: it bounds
                     // nothing, or every waiter would go round at once while the majority's
                     // holder keeps its lease.
-                    let holder_ttl = holder_ttl.filter(|ttl| !ttl.is_zero());
-                    busy_for = match (busy_for, holder_ttl) {
-                        (Some(a), Some(b)) => Some(a.min(b)),
-                        (a, b) => a.or(b),
-                    };
-                }
-                Err(e) => {
-                    failed += 1;
-                    error = Some(e);
+                    busy_for = sooner(busy_for, holder_ttl.filter(|ttl| !ttl.is_zero()));
                 }
             }
         }
-        if held >= self.quorum && elapsed + drift < req.lease {
+        if tally.granted(held, elapsed, req.lease) {
             return Ok(Attempt::Held { fence });
         }
-        // Not held: give back whatever was granted, on every node, before answering. A node
-        // that did not answer in time may still apply the grant late: it is told too.
-        if held > 0 || failed > 0 {
+        // Not held: give back whatever was granted, on every node, before answering.
+        if tally.maybe_granted(held) {
             let ids = req.hold_ids();
-            let releases = self
-                .nodes
-                .iter()
-                .map(|n| bounded(limit, n.release(&ids, Duration::ZERO)));
-            join_all(releases).await;
+            self.on_all(limit, |n| n.release(&ids, Duration::ZERO))
+                .await;
         }
         // Too few answers to call it busy: report why.
-        match error {
-            Some(error) if self.nodes.len() - failed < self.quorum => Err(error),
-            _ => Ok(Attempt::Busy {
-                holder_ttl: busy_for,
-                holder,
-            }),
-        }
+        tally.outcome(Attempt::Busy {
+            holder_ttl: busy_for,
+            holder,
+        })
     }
 
     /// Gives back one hold; with several nodes, `false` only when a majority did not hold it.
@@ -161,45 +140,28 @@ impl RedLock {
             .collect();
         // Lost only when a majority positively did not hold it: a node that is down, or one
         // that never granted this hold, is not evidence that the lease ended.
-        let (mut not_held, mut answered, mut error) = (0, 0, None);
+        let (mut tally, mut not_held) = (self.tally(), 0);
         while let Some(answer) = pending.next().await {
-            match answer {
-                Ok(released) => {
-                    answered += 1;
-                    not_held += usize::from(!released);
-                }
-                Err(e) => error = Some(e),
+            if let Some(released) = tally.count(answer) {
+                not_held += usize::from(!released);
             }
-            let decided = not_held >= self.quorum || not_held + pending.len() < self.quorum;
-            if answered >= self.quorum && decided && !pending.is_empty() {
+            if tally.settled(not_held, pending.len()) && !pending.is_empty() {
                 if let Ok(runtime) = runtime::Handle::try_current() {
                     drop(runtime.spawn(async move { while pending.next().await.is_some() {} }));
                 }
                 break;
             }
         }
-        match error {
-            Some(error) if answered < self.quorum => Err(error),
-            _ => Ok(not_held < self.quorum),
-        }
+        let held = !tally.majority(not_held);
+        tally.outcome(held)
     }
 
     /// Sets the lease; with several nodes, `true` when a majority set it.
-    pub(crate) async fn extend(
-        &self,
-        lock: &str,
-        share: Option<&str>,
-        token: &str,
-        lease: Duration,
-    ) -> RedisResult<bool> {
-        let limit = node_limit(lease);
-        let answers = join_all(
-            self.nodes
-                .iter()
-                .map(|n| bounded(limit, n.extend(lock, share, token, lease))),
-        )
-        .await;
-        self.majority(answers)
+    pub(crate) async fn extend(&self, hold: HoldRef<'_>, lease: Duration) -> RedisResult<bool> {
+        let answers = self
+            .on_all(node_limit(lease), |n| n.extend(hold, lease))
+            .await;
+        self.tally().yes(answers)
     }
 
     /// Renews a batch; with several nodes, a lease counts as renewed on a majority.
@@ -207,37 +169,14 @@ impl RedLock {
         // Bounded by the shortest lease in the batch: a renewal that waited the full response
         // timeout for a frozen master would end after the leases it renews.
         let shortest = items.iter().map(|i| i.lease).min().unwrap_or_default();
-        let limit = node_limit(shortest);
-        let answers = join_all(self.nodes.iter().map(|n| bounded(limit, n.renew(items)))).await;
-        let mut counts = vec![0usize; items.len()];
-        let mut error = None;
-        let mut answered = 0;
-        for answer in answers {
-            match answer {
-                Ok(renewed) => {
-                    answered += 1;
-                    for (count, yes) in counts.iter_mut().zip(renewed) {
-                        *count += usize::from(yes);
-                    }
-                }
-                Err(e) => error = Some(e),
-            }
-        }
-        match error {
-            Some(error) if answered < self.quorum => Err(error),
-            _ => Ok(counts.into_iter().map(|c| c >= self.quorum).collect()),
-        }
+        let answers = self.on_all(node_limit(shortest), |n| n.renew(items)).await;
+        self.tally().each(answers, items.len(), true)
     }
 
     /// Whether the token holds the lock (on a majority).
-    pub(crate) async fn holds(
-        &self,
-        lock: &str,
-        share: Option<&str>,
-        token: &str,
-    ) -> RedisResult<bool> {
-        let answers = join_all(self.nodes.iter().map(|n| n.holds(lock, share, token))).await;
-        self.majority(answers)
+    pub(crate) async fn holds(&self, hold: HoldRef<'_>) -> RedisResult<bool> {
+        let answers = join_all(self.nodes.iter().map(|n| n.holds(hold))).await;
+        self.tally().yes(answers)
     }
 
     /// Sends `cmd` to every master and returns each node's answers (see
@@ -248,25 +187,117 @@ impl RedLock {
     ) -> Vec<RedisResult<(usize, Vec<(String, redis::Value)>)>> {
         join_all(self.nodes.iter().map(|n| n.ask_masters(cmds))).await
     }
+}
 
-    /// `true` with a majority of yes; an error when too few nodes answered to know.
-    fn majority(&self, answers: Vec<RedisResult<bool>>) -> RedisResult<bool> {
-        let mut yes = 0;
-        let mut answered = 0;
-        let mut error = None;
-        for answer in answers {
-            match answer {
-                Ok(v) => {
-                    answered += 1;
-                    yes += usize::from(v);
-                }
-                Err(e) => error = Some(e),
+/// The masters' answers to one operation, counted against the quorum: how many answered, and
+/// the last error, which is the outcome when too few answered to decide it.
+pub(super) struct Tally {
+    /// How many masters make a majority.
+    quorum: usize,
+    /// How many masters answered (a refusal is an answer; an error or a timeout is not).
+    answered: usize,
+    /// The last error.
+    error: Option<RedisError>,
+}
+
+impl Tally {
+    /// Counts one master's answer: its value when it answered; an error is kept.
+    pub(super) fn count<T>(&mut self, answer: RedisResult<T>) -> Option<T> {
+        match answer {
+            Ok(value) => {
+                self.answered += 1;
+                Some(value)
+            }
+            Err(error) => {
+                self.error = Some(error);
+                None
             }
         }
-        match error {
-            Some(error) if yes < self.quorum && answered < self.quorum => Err(error),
-            _ => Ok(yes >= self.quorum),
+    }
+
+    /// Whether `votes` masters make a majority.
+    pub(super) fn majority(&self, votes: usize) -> bool {
+        votes >= self.quorum
+    }
+
+    /// Whether a grant by `held` masters stands: a majority, and some of the `lease` left
+    /// once the time the attempt took (`elapsed`) and the clocks' drift (1% of the lease,
+    /// plus 2 ms) are taken off.
+    pub(super) fn granted(&self, held: usize, elapsed: Duration, lease: Duration) -> bool {
+        let drift = lease / 100 + Duration::from_millis(2);
+        self.majority(held) && elapsed + drift < lease
+    }
+
+    /// Whether a grant that does not stand may have left copies to give back: `held` masters
+    /// granted, or one failed (a master that did not answer in time may still apply the grant
+    /// late).
+    pub(super) fn maybe_granted(&self, held: usize) -> bool {
+        held > 0 || self.error.is_some()
+    }
+
+    /// Whether `votes` so far decide the outcome, with `pending` masters yet to answer: a
+    /// quorum answered, and the votes make a majority or no longer can.
+    pub(super) fn settled(&self, votes: usize, pending: usize) -> bool {
+        self.majority(self.answered) && (self.majority(votes) || !self.majority(votes + pending))
+    }
+
+    /// `value`, unless too few masters answered to know: then the last error.
+    pub(super) fn outcome<T>(self, value: T) -> RedisResult<T> {
+        match self.error {
+            Some(error) if !self.majority(self.answered) => Err(error),
+            _ => Ok(value),
         }
+    }
+
+    /// `true` when a majority of `answers` said yes.
+    pub(super) fn yes(mut self, answers: Vec<RedisResult<bool>>) -> RedisResult<bool> {
+        let mut yes = 0;
+        for answer in answers {
+            yes += self.count(answer).map_or(0, usize::from);
+        }
+        let majority = self.majority(yes);
+        self.outcome(majority)
+    }
+
+    /// For a batch of `items`, answered one by one by every master: whether a majority
+    /// answered `vote` for each.
+    pub(super) fn each(
+        mut self,
+        answers: Vec<RedisResult<Vec<bool>>>,
+        items: usize,
+        vote: bool,
+    ) -> RedisResult<Vec<bool>> {
+        let mut votes = vec![0usize; items];
+        for answer in answers {
+            for (count, yes) in votes.iter_mut().zip(self.count(answer).unwrap_or_default()) {
+                *count += usize::from(yes == vote);
+            }
+        }
+        let majorities = votes.into_iter().map(|v| self.majority(v)).collect();
+        self.outcome(majorities)
+    }
+}
+
+/// Runs `op` on the RedLock master `node` if it may count towards a quorum now (see
+/// [`Node::eligible`]); a master kept out of quorums after a restart answers with an error
+/// instead. The check is part of the attempt, and within the same bound: a master that does
+/// not answer it costs no more than one that does not answer the attempt.
+pub(super) async fn if_eligible<T>(
+    node: &Node,
+    op: impl Future<Output = RedisResult<T>>,
+) -> RedisResult<T> {
+    if node.eligible().await {
+        op.await
+    } else {
+        Err(io::Error::other("master out of quorum after a restart").into())
+    }
+}
+
+/// The shorter of two waits, where either is known.
+pub(super) fn sooner(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 

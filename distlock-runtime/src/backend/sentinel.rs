@@ -6,8 +6,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisError, RedisResult};
+use tokio::runtime;
 
 use super::node::{ConnectOptions, Node, bounded};
+use super::route::Route;
 use crate::security::Security;
 
 impl Node {
@@ -25,42 +27,7 @@ impl Node {
             security: options.security.clone(),
         };
         let master = source.resolve(options.connect_timeout).await?;
-        Self::with(master, options, Some(source), None)
-    }
-
-    pub(super) async fn follow_master(&self) {
-        let Some(sentinel) = &self.pool.sentinel else {
-            return;
-        };
-        match sentinel.resolve(self.pool.connect_timeout).await {
-            Ok(master) => match self.pool.security.client(master) {
-                Ok(client) => {
-                    let master = client.get_connection_info().addr().to_string();
-                    let moved = {
-                        let mut current =
-                            self.pool.client.lock().unwrap_or_else(|e| e.into_inner());
-                        let moved = current.get_connection_info().addr()
-                            != client.get_connection_info().addr();
-                        if moved {
-                            *current = client;
-                        }
-                        moved
-                    };
-                    if moved {
-                        tracing::info!(%master, "following the new master");
-                        self.pool
-                            .by_runtime
-                            .write()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .clear();
-                        self.lock_replicated().clear();
-                    }
-                }
-                Err(error) => tracing::warn!(%error, "bad master address from Sentinel"),
-            },
-            Err(error) => tracing::debug!(%error, "no master from Sentinel yet"),
-        }
-        sentinel.refreshing.store(false, Ordering::Release);
+        Self::with(master, options, Route::Sentinel(Arc::new(source)))
     }
 }
 
@@ -73,6 +40,57 @@ pub(super) struct Sentinel {
 }
 
 impl Sentinel {
+    /// Hears of a failed request on `node`: an error that may mean a failover makes it ask
+    /// the Sentinels for the current master, in the background, unless it is asking already.
+    pub(super) fn notice(self: &Arc<Self>, node: &Node, error: &RedisError) {
+        let failover = error.is_io_error()
+            || error.is_timeout()
+            || error.is_connection_refusal()
+            || error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly);
+        if failover && !self.refreshing.swap(true, Ordering::AcqRel) {
+            let (sentinel, node) = (Arc::clone(self), node.clone());
+            if let Ok(runtime) = runtime::Handle::try_current() {
+                drop(runtime.spawn(async move { sentinel.follow(&node).await }));
+            } else {
+                self.refreshing.store(false, Ordering::Release);
+            }
+        }
+    }
+
+    /// Asks the Sentinels for the master and, if it moved, points `node` at it: the
+    /// connections to the old one are dropped, and the next request opens one to the new.
+    async fn follow(&self, node: &Node) {
+        match self.resolve(node.pool.connect_timeout).await {
+            Ok(master) => match node.pool.security.client(master) {
+                Ok(client) => {
+                    let master = client.get_connection_info().addr().to_string();
+                    let moved = {
+                        let mut current =
+                            node.pool.client.lock().unwrap_or_else(|e| e.into_inner());
+                        let moved = current.get_connection_info().addr()
+                            != client.get_connection_info().addr();
+                        if moved {
+                            *current = client;
+                        }
+                        moved
+                    };
+                    if moved {
+                        tracing::info!(%master, "following the new master");
+                        node.pool
+                            .by_runtime
+                            .write()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .clear();
+                        node.lock_replicated().clear();
+                    }
+                }
+                Err(error) => tracing::warn!(%error, "bad master address from Sentinel"),
+            },
+            Err(error) => tracing::debug!(%error, "no master from Sentinel yet"),
+        }
+        self.refreshing.store(false, Ordering::Release);
+    }
+
     /// Asks the Sentinels, in turn, for the master's address. The master is reached with the
     /// answering Sentinel's URL settings (user name, password, database, TLS) at that address.
     async fn resolve(&self, limit: Duration) -> RedisResult<ConnectionInfo> {

@@ -1,16 +1,14 @@
 //! Sets of locks taken together: one script per server for the whole set, one per hash slot
 //! on Cluster (in a fixed global order, with rollback), the quorum rule with RedLock.
 
-use std::collections::BTreeMap;
 use std::io;
 use std::time::Duration;
 
-use futures_util::future::join_all;
 use redis::RedisResult;
 
 use super::hold::millis;
 use super::node::{Node, bounded};
-use super::redlock::{RedLock, node_limit};
+use super::redlock::{RedLock, if_eligible, node_limit, sooner};
 use crate::scripts;
 
 /// One lock of a set: its key, fencing counter and wake channel.
@@ -58,57 +56,13 @@ impl SetRequest {
     }
 }
 
-/// The Cluster hash slot of `key`: CRC16 (XMODEM) of its hash tag (or of the whole key
-/// without one), modulo 16384. (`redis::cluster_routing::Slot` does not expose its number,
-/// and the global order needs one.)
-fn slot_of(key: &str) -> u16 {
-    let key = key.as_bytes();
-    let tag = key
-        .iter()
-        .position(|&b| b == b'{')
-        .and_then(|open| {
-            let close = key[open..].iter().position(|&b| b == b'}')?;
-            Some(&key[open + 1..open + close])
-        })
-        .filter(|tag| !tag.is_empty())
-        .unwrap_or(key);
-    let mut crc: u16 = 0;
-    for &byte in tag {
-        crc ^= u16::from(byte) << 8;
-        for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 {
-                (crc << 1) ^ 0x1021
-            } else {
-                crc << 1
-            };
-        }
-    }
-    crc % 16384
-}
-
-/// The locks of `keys` grouped by hash slot, slots in ascending order, each group sorted by
-/// key: the one order every client takes them in.
-fn by_slot<'a>(keys: impl Iterator<Item = &'a str>) -> Vec<Vec<usize>> {
-    let mut groups: BTreeMap<u16, Vec<(&str, usize)>> = BTreeMap::new();
-    for (at, key) in keys.enumerate() {
-        groups.entry(slot_of(key)).or_default().push((key, at));
-    }
-    groups
-        .into_values()
-        .map(|mut group| {
-            group.sort_unstable();
-            group.into_iter().map(|(_, at)| at).collect()
-        })
-        .collect()
-}
-
 impl Node {
     /// One attempt at a whole set: one script call, or on Cluster one per hash slot.
     pub(crate) async fn acquire_set(&self, req: &SetRequest) -> RedisResult<SetAttempt> {
-        if !self.is_cluster() {
+        let locks = req.keys.iter().map(|k| k.lock.as_str());
+        let Some(groups) = self.pool.route.slot_groups(locks) else {
             return self.acquire_together(req).await;
-        }
-        let groups = by_slot(req.keys.iter().map(|k| k.lock.as_str()));
+        };
         let mut fences = vec![0; req.keys.len()];
         for (taken, group) in groups.iter().enumerate() {
             let answer = self.acquire_together(&req.part(group)).await;
@@ -181,23 +135,16 @@ impl Node {
 
     /// Gives back every lock of a set that `req.token` holds; one `true` per lock given back.
     pub(crate) async fn release_set(&self, req: &SetRequest) -> RedisResult<Vec<bool>> {
-        if !self.is_cluster() {
-            return self.release_together(req).await;
-        }
-        let groups = by_slot(req.keys.iter().map(|k| k.lock.as_str()));
-        let calls = groups.iter().map(|group| {
+        let locks = req.keys.iter().map(|k| k.lock.as_str());
+        let release = |group: &[usize]| {
             let part = req.part(group);
             async move { self.release_together(&part).await }
-        });
-        let mut released = vec![false; req.keys.len()];
-        for (group, answer) in groups.iter().zip(join_all(calls).await) {
-            for (&at, yes) in group.iter().zip(answer?) {
-                released[at] = yes;
-            }
-        }
-        Ok(released)
+        };
+        self.pool.route.per_slot(locks, release).await
     }
 
+    /// Gives back the locks of a set that all live in one hash slot (any locks, off Cluster)
+    /// in one call.
     async fn release_together(&self, req: &SetRequest) -> RedisResult<Vec<bool>> {
         let mut conn = self.conn().await?;
         let call = scripts::multi_release(
@@ -234,120 +181,46 @@ impl RedLock {
     pub(crate) async fn acquire_set(&self, req: &SetRequest) -> RedisResult<SetAttempt> {
         let limit = node_limit(req.lease);
         let started = std::time::Instant::now();
-        let answers = self.on_eligible(limit, |node| node.acquire_set(req)).await;
+        let answers = self
+            .on_all(limit, |node| if_eligible(node, node.acquire_set(req)))
+            .await;
         let elapsed = started.elapsed();
-        let drift = req.lease / 100 + Duration::from_millis(2);
-        let (mut held, mut failed) = (0, 0);
+        let mut tally = self.tally();
+        let mut held = 0;
         let (mut busy_at, mut busy_for) = (None, None::<Duration>);
-        let mut error = None;
-        for answer in answers {
-            match answer {
-                Ok(SetAttempt::Held { .. }) => held += 1,
-                Ok(SetAttempt::Busy { at, holder_ttl }) => {
+        for attempt in answers.into_iter().filter_map(|answer| tally.count(answer)) {
+            match attempt {
+                SetAttempt::Held { .. } => held += 1,
+                SetAttempt::Busy { at, holder_ttl } => {
                     busy_at.get_or_insert(at);
-                    busy_for = match (busy_for, holder_ttl) {
-                        (Some(a), Some(b)) => Some(a.min(b)),
-                        (a, b) => a.or(b),
-                    };
+                    busy_for = sooner(busy_for, holder_ttl);
                 }
                 // Replication is not combined with several masters.
-                Ok(SetAttempt::Unreplicated { .. }) => {}
-                Err(e) => {
-                    failed += 1;
-                    error = Some(e);
-                }
+                SetAttempt::Unreplicated { .. } => {}
             }
         }
-        if held >= self.quorum && elapsed + drift < req.lease {
+        if tally.granted(held, elapsed, req.lease) {
             // Fencing is not available with several masters: no token to report.
             return Ok(SetAttempt::Held {
                 fences: vec![0; req.keys.len()],
             });
         }
-        if held > 0 || failed > 0 {
-            let releases = self
-                .nodes
-                .iter()
-                .map(|n| bounded(limit, n.release_set(req)));
-            join_all(releases).await;
+        if tally.maybe_granted(held) {
+            self.on_all(limit, |n| n.release_set(req)).await;
         }
-        match error {
-            Some(error) if self.nodes.len() - failed < self.quorum => Err(error),
-            _ => Ok(SetAttempt::Busy {
-                at: busy_at.unwrap_or(0),
-                holder_ttl: busy_for,
-            }),
-        }
+        tally.outcome(SetAttempt::Busy {
+            at: busy_at.unwrap_or(0),
+            holder_ttl: busy_for,
+        })
     }
 
     /// Gives back a set; with several masters, a lock counts as given back unless a majority
     /// positively did not hold it.
     pub(crate) async fn release_set(&self, req: &SetRequest) -> RedisResult<Vec<bool>> {
-        let limit = node_limit(req.lease);
-        let answers = join_all(
-            self.nodes
-                .iter()
-                .map(|n| bounded(limit, n.release_set(req))),
-        )
-        .await;
-        let mut not_held = vec![0usize; req.keys.len()];
-        let (mut answered, mut error) = (0, None);
-        for answer in answers {
-            match answer {
-                Ok(released) => {
-                    answered += 1;
-                    for (count, yes) in not_held.iter_mut().zip(released) {
-                        *count += usize::from(!yes);
-                    }
-                }
-                Err(e) => error = Some(e),
-            }
-        }
-        match error {
-            Some(error) if answered < self.quorum => Err(error),
-            _ => Ok(not_held.into_iter().map(|n| n < self.quorum).collect()),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use redis::cluster_routing::Slot;
-
-    #[test]
-    fn slots_are_the_ones_redis_computes() {
-        for key in [
-            "p:{a}",
-            "p:{order:42}",
-            "p:{a{b}",
-            "p:{}x",
-            "plain",
-            "p:{a%7Db}~",
-            "{x}:fence",
-        ] {
-            assert_eq!(Slot::new(slot_of(key)), Some(Slot::for_key(key)), "{key}");
-        }
-        // A known value: CLUSTER KEYSLOT foo = 12182.
-        assert_eq!(slot_of("foo"), 12182);
-    }
-
-    #[test]
-    fn slots_come_in_one_global_order() {
-        let keys = ["p:{b}", "p:{a}", "p:{c}", "p:{a}x"];
-        let groups = by_slot(keys.iter().copied());
-        let slots: Vec<u16> = groups.iter().map(|g| slot_of(keys[g[0]])).collect();
-        assert!(slots.windows(2).all(|w| w[0] < w[1]), "{slots:?}");
-        // The same set listed in another order gives the same sequence of keys.
-        let reversed: Vec<&str> = keys.iter().rev().copied().collect();
-        let again = by_slot(reversed.iter().copied());
-        let names = |groups: &[Vec<usize>], keys: &[&str]| -> Vec<String> {
-            groups
-                .iter()
-                .flatten()
-                .map(|&i| keys[i].to_owned())
-                .collect()
-        };
-        assert_eq!(names(&groups, &keys), names(&again, &reversed));
+        let answers = self
+            .on_all(node_limit(req.lease), |n| n.release_set(req))
+            .await;
+        let not_held = self.tally().each(answers, req.keys.len(), false)?;
+        Ok(not_held.into_iter().map(|lost| !lost).collect())
     }
 }
