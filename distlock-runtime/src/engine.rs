@@ -31,6 +31,10 @@ pub(crate) trait Ask: Sync {
     /// What a granted attempt brings: the fencing token (tokens, for a set).
     type Won: Send + 'static;
 
+    /// Several locks: the queue to follow is that of the lock found busy, known only from a
+    /// busy answer; and a set takes no turns in a cohort's sit-out.
+    const SET: bool = false;
+
     /// Sends one attempt.
     fn send(
         &self,
@@ -284,7 +288,8 @@ impl<'a, A: Ask> Engine<'a, A> {
                 return Ok(self.handed(handed));
             }
             let seen = self.ticket.as_ref().map(|(_, ticket)| ticket.wakes());
-            let sitting_out = self.ticket().and_then(Ticket::sitting_out);
+            let sitting_out = self.ticket().filter(|_| !A::SET);
+            let sitting_out = sitting_out.and_then(Ticket::sitting_out);
             let holder_ttl = match self.next(&mut first, sitting_out, queues).await? {
                 Then::Won(outcome) => return Ok(outcome),
                 Then::Again => continue,
@@ -321,6 +326,7 @@ impl<'a, A: Ask> Engine<'a, A> {
         // Or this manager just had a run of hand-offs: other processes' turns come first.
         if sitting_out.is_some() {
             self.holder = None;
+            self.just_joined = false;
             return Ok(Then::Wait(None));
         }
         // No offer stands while this waiter asks the server itself; one a release took
@@ -384,6 +390,8 @@ impl<'a, A: Ask> Engine<'a, A> {
             .ticket
             .as_ref()
             .is_some_and(|(at, _)| *at == self.busy_at);
+        // A set knows which lock to wait for only from a busy answer.
+        let queues = queues && (!A::SET || matches!(answer, Answer::Busy { .. }));
         let step = decide::after(
             answer,
             self.bounds,

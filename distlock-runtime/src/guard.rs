@@ -276,10 +276,9 @@ impl LockGuard {
             }
             return Ok(());
         }
-        let inner = &self.parts.manager.inner;
         let keep_until = self.parts.held.keep_until();
         // Sends the release again from the background if this future is dropped midway.
-        let mut unanswered = Unanswered(Some((inner.clone(), self.ids(), keep_until)));
+        let mut unanswered = Unanswered(Some(&self));
         if self.parts.held.ids.fair.is_some() {
             // Boxed, as the other paths off the plain one: their state stays out of this
             // future, which the caller's task carries.
@@ -565,12 +564,13 @@ impl Drop for LockGuard {
 
 /// A release sent but not yet answered; dropped armed, it sends the release again from the
 /// manager's runtime (a release is idempotent per hold id).
-struct Unanswered(Option<(Arc<Inner>, Arc<HoldIds>, Option<Instant>)>);
+struct Unanswered<'g>(Option<&'g LockGuard>);
 
-impl Drop for Unanswered {
+impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
-        if let Some((inner, ids, keep_until)) = self.0.take() {
-            inner.releaser().in_background(ids, keep_until);
+        if let Some(guard) = self.0.take() {
+            let releaser = guard.parts.manager.inner.releaser();
+            releaser.in_background(guard.ids(), guard.parts.held.keep_until());
         }
     }
 }

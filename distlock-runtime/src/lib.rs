@@ -44,6 +44,13 @@
 //!   or stops waiting and takes the mark back.
 //! * **fencing token** — a per-key counter drawn at each grant (with `fencing`), strictly
 //!   increasing.
+//! * **target**, **plan** — what a request is for (one lock, or a set taken together), and
+//!   the request with every option resolved against the manager's defaults.
+//! * **engine**, **attempt**, **cover** — the one loop that carries out every plan; an attempt
+//!   is one round trip asking for the lock; the cover gives back what an attempt whose
+//!   answer never came may hold.
+//! * **pass**, **cohort** — a hand-off within one manager that asks nothing of the server: the
+//!   next task takes the server hold over as it is, within the cohort's bounds.
 #![warn(
     missing_docs,
     missing_debug_implementations,

@@ -1,6 +1,7 @@
 //! One lock: a request's acquire, and the guards it grants — a first hold, a nested hold of
 //! this task's own lock, a lock handed over by a local release or passed within a cohort.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,69 +17,52 @@ use crate::key::Keys;
 use crate::lease::LeaseState;
 use crate::lease::keep_until;
 use crate::manager::{Inner, LockManager};
-use crate::request::{LockRequest, Plan};
+use crate::request::{LockRequest, Plan, Single, Target};
 use crate::waiters::LocalPass;
-use crate::watchdog::{Registration, Target};
+use crate::watchdog::{Registration, Renewable};
 
-impl LockRequest<'_> {
-    /// Takes the lock, retrying within the request's bounds.
-    ///
-    /// Errors: [`LockError::Busy`] when another owner kept it for all attempts (or for the
-    /// whole `wait`), whatever kind of lock that owner holds on the key;
-    /// [`LockError::Redis`] when the last attempt could not reach Redis;
-    /// [`LockError::InvalidInput`] for a bad key or ttl, before anything is sent;
-    /// [`LockError::PermitsMismatch`] at once, without retrying, for a semaphore in use with
-    /// another number of permits.
-    ///
-    /// [`LockError::ShutDown`] once [`LockManager::shutdown`] was called, also for a request
-    /// that was waiting then.
-    ///
-    /// Cancel-safe: if this future is dropped while an attempt is in flight, a release for
-    /// that attempt's token is sent right behind it, so no lock is left behind.
-    pub async fn acquire(self) -> Result<LockGuard, LockError> {
-        let (manager, quiet) = (self.manager, self.options.quiet);
-        let plan = self.into_plan()?;
-        if manager.inner.holds.is_shut_down() {
-            return Err(LockError::ShutDown);
-        }
-        let span =
-            tracing::debug_span!("lock.acquire", template = plan.template, key = %plan.keys.name);
-        let (labels, timer) = (plan.metrics, crate::metrics::Timer::start());
-        let asking = {
-            let _entered = span.enter();
-            ask(manager, plan)
-        };
-        let result = match asking {
-            Ok(Asking::Nested(guard)) => Ok(*guard),
-            Ok(Asking::Server(asking)) => take(manager, asking).instrument(span).await,
-            Err(error) => Err(error),
-        };
-        let result = match result {
-            // Dropping it gives it back.
-            Ok(guard) if guard.came_after_shutdown() => Err(LockError::ShutDown),
-            Err(
-                busy @ LockError::Busy {
-                    holder_token: Some(_),
-                    ..
-                },
-            ) if !quiet => Err(Box::pin(name_holder(manager, busy)).await),
-            result => result,
-        };
-        crate::metrics::acquire_ended(labels, timer, &result);
-        result
-    }
+impl Target for Single {
+    type Guard = LockGuard;
 
-    /// Makes exactly one attempt: `Ok(None)` when another owner holds the lock (of any kind).
-    /// Other errors are those of [`acquire`](Self::acquire).
-    pub async fn try_acquire(mut self) -> Result<Option<LockGuard>, LockError> {
-        // Nobody sees the busy error: no holder to name.
-        self.options.quiet = true;
-        match self.retries(0).wait(Duration::ZERO).acquire().await {
-            Ok(guard) => Ok(Some(guard)),
-            Err(LockError::Busy { .. }) => Ok(None),
-            Err(e) => Err(e),
-        }
+    fn acquire<'m>(
+        request: LockRequest<'m, Self>,
+    ) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'm {
+        acquire_one(request)
     }
+}
+
+/// Takes one lock: see [`LockRequest::acquire`].
+async fn acquire_one(request: LockRequest<'_>) -> Result<LockGuard, LockError> {
+    let (manager, quiet) = (request.manager, request.options.quiet);
+    let plan = request.into_plan()?;
+    if manager.inner.holds.is_shut_down() {
+        return Err(LockError::ShutDown);
+    }
+    let span =
+        tracing::debug_span!("lock.acquire", template = plan.template(), key = %plan.keys.name);
+    let (labels, timer) = (plan.metrics, crate::metrics::Timer::start());
+    let asking = {
+        let _entered = span.enter();
+        ask(manager, plan)
+    };
+    let result = match asking {
+        Ok(Asking::Nested(guard)) => Ok(*guard),
+        Ok(Asking::Server(asking)) => take(manager, asking).instrument(span).await,
+        Err(error) => Err(error),
+    };
+    let result = match result {
+        // Dropping it gives it back.
+        Ok(guard) if guard.came_after_shutdown() => Err(LockError::ShutDown),
+        Err(
+            busy @ LockError::Busy {
+                holder_token: Some(_),
+                ..
+            },
+        ) if !quiet => Err(Box::pin(name_holder(manager, busy)).await),
+        result => result,
+    };
+    crate::metrics::acquire_ended(labels, timer, &result);
+    result
 }
 
 /// What a request for one lock asks of the server, once the task's own holds are looked at.
@@ -361,7 +345,7 @@ pub(crate) fn renewal<K>(
     set: Instant,
 ) -> Option<Registration> {
     plan.options.watchdog.then(|| {
-        let target = Target {
+        let target = Renewable {
             hold: ids.clone(),
             metrics: plan.metrics,
         };

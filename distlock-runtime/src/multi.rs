@@ -22,45 +22,35 @@ use crate::key::Keys;
 use crate::lease::{LeaseState, check_ttl};
 use crate::lock::{self, new_token};
 use crate::manager::{Inner, LockManager};
-use crate::request::{MultiLockRequest, Plan};
+use crate::request::{KeySet, LockRequest, MultiLockRequest, Plan, Target};
 use crate::watchdog::Registration;
 use crate::{LockError, LockGuard};
 
-impl MultiLockRequest<'_> {
-    /// Takes every lock of the set, retrying within the request's bounds; a busy set waits
-    /// for a release of the key it found busy.
-    ///
-    /// Errors: those of [`LockRequest::acquire`](crate::LockRequest::acquire), naming the key
-    /// found busy (or lost); [`LockError::InvalidInput`] for an empty set as well, and
-    /// [`LockError::ShutDown`] once [`LockManager::shutdown`](crate::LockManager::shutdown)
-    /// was called, also for a request that was waiting then.
-    ///
-    /// Cancel-safe: if this future is dropped while an attempt is in flight, a release of the
-    /// whole set is sent right behind it.
-    pub async fn acquire(mut self) -> Result<MultiGuard, LockError> {
-        let plan = self.plan_set()?;
-        if self.manager.inner.holds.is_shut_down() {
-            return Err(LockError::ShutDown);
-        }
-        let names: Vec<&str> = plan.keys.iter().map(|k| k.name.as_str()).collect();
-        let span =
-            tracing::debug_span!("lock.acquire_all", template = plan.template, keys = ?names);
-        let guard = Box::pin(acquire(self.manager, plan).instrument(span)).await?;
-        if guard.listing == Listing::Unlisted {
-            // Granted while the manager shut down: dropping it gives it back.
-            return Err(LockError::ShutDown);
-        }
-        Ok(guard)
-    }
+impl Target for KeySet {
+    type Guard = MultiGuard;
 
-    /// Makes exactly one attempt: `Ok(None)` when another owner holds any lock of the set.
-    pub async fn try_acquire(self) -> Result<Option<MultiGuard>, LockError> {
-        match self.retries(0).wait(Duration::ZERO).acquire().await {
-            Ok(guard) => Ok(Some(guard)),
-            Err(LockError::Busy { .. }) => Ok(None),
-            Err(e) => Err(e),
-        }
+    fn acquire<'m>(
+        request: LockRequest<'m, Self>,
+    ) -> impl Future<Output = Result<MultiGuard, LockError>> + Send + 'm {
+        acquire_set(request)
     }
+}
+
+/// Takes a set: see [`LockRequest::acquire`].
+async fn acquire_set(mut request: MultiLockRequest<'_>) -> Result<MultiGuard, LockError> {
+    let plan = request.plan_set()?;
+    let manager = request.manager;
+    if manager.inner.holds.is_shut_down() {
+        return Err(LockError::ShutDown);
+    }
+    let names: Vec<&str> = plan.keys.iter().map(|k| k.name.as_str()).collect();
+    let span = tracing::debug_span!("lock.acquire_all", template = plan.template(), keys = ?names);
+    let guard = Box::pin(acquire(manager, plan).instrument(span)).await?;
+    if guard.listing == Listing::Unlisted {
+        // Granted while the manager shut down: dropping it gives it back.
+        return Err(LockError::ShutDown);
+    }
+    Ok(guard)
 }
 
 async fn acquire(manager: &LockManager, plan: Plan<Vec<Keys>>) -> Result<MultiGuard, LockError> {
@@ -99,15 +89,15 @@ async fn acquire(manager: &LockManager, plan: Plan<Vec<Keys>>) -> Result<MultiGu
         fencing: plan.options.fencing,
     };
     let started = Instant::now();
-    let (fences, sent, attempts) = if fresh.is_empty() {
-        (Vec::new(), started, 1)
+    let (fences, sent, attempts, ticket) = if fresh.is_empty() {
+        (Vec::new(), started, 1, None)
     } else {
         let engine = Engine::new(inner, &request, &plan, &fresh, started);
         let outcome = engine.wait(None, false).await?;
         let Won::Asked { won, sent } = outcome.won else {
             unreachable!("a set stands ready for no hand-off");
         };
-        (won, sent, outcome.attempts)
+        (won, sent, outcome.attempts, outcome.ticket)
     };
     let acquired = Acquired {
         attempts,
@@ -122,7 +112,10 @@ async fn acquire(manager: &LockManager, plan: Plan<Vec<Keys>>) -> Result<MultiGu
         fences,
         nested,
     };
-    Ok(grant_set(manager, &plan, taken, acquired))
+    let guard = grant_set(manager, &plan, taken, acquired);
+    // The waiters behind see the holder until the guard exists.
+    drop(ticket);
+    Ok(guard)
 }
 
 /// What a set request took: its keys, the locks it took itself and their fencing tokens, and
@@ -214,6 +207,7 @@ fn list(inner: &Inner, request: &SetRequest, lease: &Arc<LeaseState>) -> Listing
 
 impl Ask for SetRequest {
     type Won = Vec<u64>;
+    const SET: bool = true;
 
     async fn send(&self, inner: &Inner) -> Result<redis::RedisResult<Reply<Vec<u64>>>, LockError> {
         let attempt = self.clone();

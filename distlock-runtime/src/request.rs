@@ -3,6 +3,7 @@
 //! acquire engine carries out.
 
 use std::fmt;
+use std::future::Future;
 use std::time::Duration;
 
 use crate::LockError;
@@ -40,6 +41,61 @@ pub struct Single {
 #[derive(Debug)]
 pub struct KeySet {
     pub(crate) keys: Vec<String>,
+}
+
+/// What a request can be for: one lock ([`Single`]) or a set of locks taken together
+/// ([`KeySet`]). Implemented by those two only.
+pub trait Target: sealed::Sealed + Send + Sized {
+    /// What a granted request gives: a [`LockGuard`](crate::LockGuard) for one lock, a
+    /// [`MultiGuard`](crate::MultiGuard) for a set.
+    type Guard: Send;
+
+    #[doc(hidden)]
+    /// Takes what the request is for; see [`LockRequest::acquire`].
+    fn acquire<'m>(
+        request: LockRequest<'m, Self>,
+    ) -> impl Future<Output = Result<Self::Guard, LockError>> + Send + 'm;
+}
+
+mod sealed {
+    /// Keeps [`Target`](super::Target) to the targets of this crate.
+    pub trait Sealed {}
+    impl Sealed for super::Single {}
+    impl Sealed for super::KeySet {}
+}
+
+impl<'m, T: Target> LockRequest<'m, T> {
+    /// Takes the lock (every lock of a set), retrying within the request's bounds; a busy
+    /// set waits for a release of the key it found busy.
+    ///
+    /// Errors: [`LockError::Busy`] when another owner kept it for all attempts (or for the
+    /// whole `wait`), whatever kind of lock that owner holds on the key (for a set, naming
+    /// the key found busy); [`LockError::Redis`] when the last attempt could not reach Redis;
+    /// [`LockError::InvalidInput`] for a bad key, ttl or option (or an empty set), before
+    /// anything is sent; [`LockError::PermitsMismatch`] at once, without retrying, for a
+    /// semaphore in use with another number of permits.
+    ///
+    /// [`LockError::ShutDown`] once [`LockManager::shutdown`] was called, also for a request
+    /// that was waiting then.
+    ///
+    /// Cancel-safe: if this future is dropped while an attempt is in flight, a release for
+    /// that attempt's token (of the whole set) is sent right behind it, so no lock is left
+    /// behind.
+    pub fn acquire(self) -> impl Future<Output = Result<T::Guard, LockError>> + Send + 'm {
+        T::acquire(self)
+    }
+
+    /// Makes exactly one attempt: `Ok(None)` when another owner holds the lock (of any kind;
+    /// any lock of a set). Other errors are those of [`acquire`](Self::acquire).
+    pub async fn try_acquire(mut self) -> Result<Option<T::Guard>, LockError> {
+        // Nobody sees the busy error: no holder to name.
+        self.options.quiet = true;
+        match self.retries(0).wait(Duration::ZERO).acquire().await {
+            Ok(guard) => Ok(Some(guard)),
+            Err(LockError::Busy { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
 }
 
 /// The options of a request as the caller set them (`None` or `false`: not set).
@@ -326,17 +382,6 @@ impl<T> LockRequest<'_, T> {
                 "fencing tokens need one counter; RedLock masters count independently",
             ));
         }
-        for (what, value) in [
-            ("max_hold", options.max_hold),
-            ("min_hold", options.min_hold),
-        ] {
-            if value.is_some_and(|v| v.is_zero()) {
-                return Err(LockError::invalid(
-                    what,
-                    format!("`{what}` must be greater than zero"),
-                ));
-            }
-        }
         // With only a time bound, keep trying until it runs out.
         let retries = match (options.retries, options.wait) {
             (Some(retries), _) => retries,
@@ -348,7 +393,6 @@ impl<T> LockRequest<'_, T> {
         Ok(Plan {
             keys,
             kind,
-            template,
             ttl,
             retries,
             backoff: Backoff::new(options.retry_delay.unwrap_or(defaults.retry_delay)),
@@ -370,7 +414,6 @@ impl<T> LockRequest<'_, T> {
 pub(crate) struct Plan<K> {
     pub(crate) keys: K,
     pub(crate) kind: RequestKind,
-    pub(crate) template: &'static str,
     pub(crate) ttl: Duration,
     pub(crate) retries: u32,
     pub(crate) backoff: Backoff,
@@ -381,12 +424,16 @@ pub(crate) struct Plan<K> {
 }
 
 impl<K> Plan<K> {
+    /// The key template this request names itself by, in metrics and tracing.
+    pub(crate) fn template(&self) -> &'static str {
+        self.options.template.unwrap_or("<manual>")
+    }
+
     /// The same plan, for other keys (a set's plan for one of its keys).
     pub(crate) fn with_keys<L>(&self, keys: L) -> Plan<L> {
         Plan {
             keys,
             kind: self.kind,
-            template: self.template,
             ttl: self.ttl,
             retries: self.retries,
             backoff: self.backoff,
@@ -406,8 +453,25 @@ impl LockRequest<'_> {
         let what = format!("`{}`", keys.name);
         let plan = self.plan(self.target.kind, keys, &what)?;
         check_kind(self.manager, &plan)?;
+        check_holds(&plan.options)?;
         Ok(plan)
     }
+}
+
+/// `max_hold` and `min_hold`, when set, must be longer than zero.
+fn check_holds(options: &Options) -> Result<(), LockError> {
+    for (what, value) in [
+        ("max_hold", options.max_hold),
+        ("min_hold", options.min_hold),
+    ] {
+        if value.is_some_and(|v| v.is_zero()) {
+            return Err(LockError::invalid(
+                what,
+                format!("`{what}` must be greater than zero"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The checks of a single lock's kind against its options and the backend.
@@ -488,6 +552,8 @@ impl MultiLockRequest<'_> {
         }
         // A set never passes locally.
         self.options.no_cohort = true;
-        self.plan(RequestKind::Exclusive, keys, "a lock set")
+        let plan = self.plan(RequestKind::Exclusive, keys, "a lock set")?;
+        check_holds(&plan.options)?;
+        Ok(plan)
     }
 }

@@ -54,7 +54,7 @@ fn nanos(d: Duration) -> u64 {
 
 /// What a renewal extends: the lock, the share's lease key for shares, and the owner token.
 #[derive(Debug)]
-pub(crate) struct Target {
+pub(crate) struct Renewable {
     /// The hold to renew: its lock, share and owner token.
     pub(crate) hold: Arc<HoldIds>,
     pub(crate) metrics: crate::metrics::Labels,
@@ -135,13 +135,13 @@ impl Watchdog {
     pub(crate) fn register<'a>(
         &self,
         through: impl Into<Through<'a>>,
-        target: Target,
+        target: Renewable,
         state: Arc<LeaseState>,
         acquired: Instant,
         max_hold: Option<Duration>,
     ) -> Registration {
         let ttl = state.ttl();
-        let Target { hold, metrics } = target;
+        let Renewable { hold, metrics } = target;
         let lease = Lease {
             hold,
             ttl,
