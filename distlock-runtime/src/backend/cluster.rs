@@ -8,21 +8,22 @@ use std::io;
 use redis::cluster::ClusterClient;
 use redis::{RedisError, RedisResult};
 
-use super::node::{ConnectOptions, Node};
-use super::route::Route;
+use super::pool::ConnectOptions;
 
-impl Node {
-    /// A Redis Cluster reached through `seeds`; nothing is sent until it is used.
-    pub(crate) fn cluster(seeds: &[String], options: ConnectOptions) -> RedisResult<Self> {
-        let first = seeds
-            .first()
-            .ok_or_else(|| RedisError::from(io::Error::other("no Cluster seed given")))?;
-        let builder = ClusterClient::builder(seeds.to_vec())
-            .connection_timeout(options.connect_timeout)
-            .response_timeout(options.response_timeout);
-        let cluster = options.security.cluster(builder).build()?;
-        Self::with(first.as_str(), options, Route::Cluster(Box::new(cluster)))
-    }
+/// A client of the Redis Cluster reached through `seeds`, made with `options`, and the first
+/// seed (which serves pub/sub); nothing is sent until it is used.
+pub(super) fn client<'s>(
+    seeds: &'s [String],
+    options: &ConnectOptions,
+) -> RedisResult<(&'s str, ClusterClient)> {
+    let first = seeds
+        .first()
+        .ok_or_else(|| RedisError::from(io::Error::other("no Cluster seed given")))?;
+    let builder = ClusterClient::builder(seeds.to_vec())
+        .connection_timeout(options.connect_timeout)
+        .response_timeout(options.response_timeout);
+    let cluster = options.security.cluster(builder).build()?;
+    Ok((first.as_str(), cluster))
 }
 
 /// The Cluster hash slot of `key`: CRC16 (XMODEM) of its hash tag (or of the whole key

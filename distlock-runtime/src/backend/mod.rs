@@ -2,10 +2,10 @@
 //!
 //! One room per topology: `node.rs` is one endpoint (a server, with `sentinel.rs` for a
 //! Sentinel-managed master and `cluster.rs` for a Cluster, both reached through one `Node`,
-//! whose `route.rs` decides all that differs between the three), `redlock.rs` the majority
-//! rule over independent masters, `hold.rs` what an operation names and sends, and `sets.rs`
-//! sets of locks taken together. [`Backend`] picks the room; [`Capabilities`] says, once, what
-//! the deployment can do.
+//! whose `route.rs` decides all that differs between the three, over the connections that
+//! `pool.rs` keeps), `redlock.rs` the majority rule over independent masters, `hold.rs` what an
+//! operation names and sends, and `sets.rs` sets of locks taken together. [`Backend`] picks
+//! the room; [`Capabilities`] says, once, what the deployment can do.
 //!
 //! Every method here runs on the manager's driver runtime (see `driver`) and is bounded by the
 //! manager's response timeout, including the time spent waiting for a reconnect.
@@ -18,6 +18,7 @@ mod cluster;
 mod hold;
 mod link;
 mod node;
+mod pool;
 mod redlock;
 mod route;
 mod sentinel;
@@ -27,7 +28,8 @@ pub(crate) use hold::{
     AcquireRequest, Attempt, FAIR_REFRESH, FairQueue, FairRelease, HoldIds, Renewal, Shape,
     token_text,
 };
-pub(crate) use node::{ConnectOptions, Node, denied};
+pub(crate) use node::{Node, denied};
+pub(crate) use pool::ConnectOptions;
 pub(crate) use sets::{SetAttempt, SetKey, SetRequest};
 
 use crate::scripts;

@@ -1,32 +1,33 @@
 //! One endpoint: a single server, a Sentinel-managed master (see `sentinel.rs`) or a whole
 //! Cluster behind one slot-aware connection (see `cluster.rs`); what differs between them is
-//! its route's (see `route.rs`). It keeps a connection per tokio runtime, loads the scripts,
-//! finds the server's native commands at `build()`, and runs every operation on a lock.
+//! its route's (see `route.rs`). It keeps a connection per tokio runtime (in its pool, see
+//! `pool.rs`), loads the scripts, finds the server's native commands at `build()`, and runs
+//! every operation on a lock.
 
-use std::collections::HashMap;
 use std::io;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::FutureExt;
 use tokio::runtime;
 
 use redis::aio::MultiplexedConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
 use redis::{
-    AsyncConnectionConfig, Client, ErrorKind, IntoConnectionInfo, RedisError, RedisResult,
-    ServerErrorKind,
+    AsyncConnectionConfig, Cmd, ErrorKind, IntoConnectionInfo, RedisError, RedisResult,
+    ServerErrorKind, Value,
 };
 
-use crate::id_map::IdMap;
 use crate::scripts;
 
+use super::cluster;
 use super::hold::{
     AcquireCall, AcquireRequest, Attempt, FAIR_ENTRY_LEASE, FAIR_UNCLAIMED, FairRelease, HoldIds,
     HoldRef, Renewal, Shape, millis,
 };
-use super::link::{Link, Query};
-use super::route::{Bounds, Conn, Route};
-use crate::security::Security;
+use super::link::Query;
+use super::pool::{Bounds, Conn, ConnectOptions, NativeDelete, Pool, bounded};
+use super::route::Route;
+use super::sentinel::Sentinel;
 
 /// Awaits `op`, a request on a connection whose [`Bounds`] are `bounds`, within the
 /// response timeout of `node`: in place where the connection bounds it itself, under a timer
@@ -42,24 +43,6 @@ macro_rules! answer {
     };
 }
 
-/// How a backend connects.
-#[derive(Debug, Clone)]
-pub(crate) struct ConnectOptions {
-    pub(crate) connect_timeout: Duration,
-    pub(crate) response_timeout: Duration,
-    /// After each grant, WAIT for this many replicas, this long.
-    pub(crate) sync_replicas: Option<(u32, Duration)>,
-    /// How long a RedLock master that restarted stays out of quorums.
-    pub(crate) restart_delay: Duration,
-    /// Credentials and TLS material beyond what the URLs say.
-    pub(crate) security: Arc<Security>,
-    /// What this manager's releases of plain locks publish on the wake channel, so that its
-    /// own waiters can tell them from other processes' releases.
-    pub(crate) tag: Arc<str>,
-    /// The name this manager's connections give themselves (`CLIENT SETNAME`).
-    pub(crate) client_name: Arc<str>,
-}
-
 /// One Redis server (or anything that speaks to one endpoint).
 ///
 /// Connections are kept per tokio runtime: a multiplexed connection's I/O task lives on the
@@ -68,44 +51,10 @@ pub(crate) struct ConnectOptions {
 /// thread on their way to the socket.
 #[derive(Clone)]
 pub(crate) struct Node {
+    /// The connections, and what is known of the server behind them.
     pub(super) pool: Arc<Pool>,
-}
-
-pub(super) struct Pool {
     /// The topology: how a runtime's connection is opened and where commands go.
-    pub(super) route: Route,
-    /// Where the connections go: the server, the master that Sentinel named last (replaced
-    /// when it names a new one), or a Cluster's first seed (for pub/sub).
-    pub(super) client: Mutex<Client>,
-    /// For RedLock masters: is this still the server we knew (its run_id)?
-    pub(super) identity: Mutex<Identity>,
-    pub(super) restart_delay: Duration,
-    /// What bounds each connect and each answer of the shared connections.
-    pub(super) config: AsyncConnectionConfig,
-    pub(super) response_timeout: Duration,
-    pub(super) connect_timeout: Duration,
-    pub(super) sync_replicas: Option<(u32, Duration)>,
-    pub(super) by_runtime: RwLock<IdMap<runtime::Id, Conn>>,
-    /// With `sync_replicas`: idle connections of each runtime for a grant and its WAIT, which
-    /// blocks the connection it runs on (and must run on the one that wrote the grant).
-    pub(super) replicated: Mutex<HashMap<runtime::Id, Vec<MultiplexedConnection>>>,
-    /// The server's native compare-and-delete, as found at `build()`.
-    pub(super) delete: Mutex<NativeDelete>,
-    pub(super) security: Arc<Security>,
-    pub(super) tag: Arc<str>,
-    pub(super) client_name: Arc<str>,
-}
-
-/// A server's native compare-and-delete, if it has one; without, a small script does it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) enum NativeDelete {
-    /// None found (or the server would not say): the `unlock.lua` script.
-    #[default]
-    Script,
-    /// Valkey's `DELIFEQ key value`.
-    DelIfEq,
-    /// Redis 8.4's `DELEX key IFEQ value`.
-    DelEx,
+    pub(super) route: Arc<Route>,
 }
 
 impl std::fmt::Debug for Node {
@@ -122,44 +71,34 @@ impl Node {
         Self::with(url, options, Route::Server)
     }
 
+    /// A Redis Cluster reached through `seeds`; nothing is sent until it is used.
+    pub(crate) fn cluster(seeds: &[String], options: ConnectOptions) -> RedisResult<Self> {
+        let (first, cluster) = cluster::client(seeds, &options)?;
+        Self::with(first, options, Route::Cluster(Box::new(cluster)))
+    }
+
+    /// The master that the Sentinels at `sentinels` name `master`; it follows failovers: a
+    /// connection error or a READONLY answer makes it ask the Sentinels again.
+    pub(crate) async fn sentinel(
+        sentinels: &[String],
+        master: &str,
+        options: ConnectOptions,
+    ) -> RedisResult<Self> {
+        let (master, source) = Sentinel::find(sentinels, master, &options).await?;
+        Self::with(master, options, Route::Sentinel(Arc::new(source)))
+    }
+
     /// A node that reaches `url` (the server, the master, or a Cluster's first seed) by
     /// `route`; nothing is sent until it is used.
-    pub(super) fn with(
+    fn with(
         url: impl IntoConnectionInfo,
         options: ConnectOptions,
         route: Route,
     ) -> RedisResult<Self> {
-        let client = options.security.client(url)?;
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(options.connect_timeout))
-            .set_response_timeout(Some(options.response_timeout));
-        let node = Self {
-            pool: Arc::new(Pool {
-                route,
-                client: Mutex::new(client),
-                identity: Mutex::new(Identity::default()),
-                restart_delay: options.restart_delay,
-                config,
-                response_timeout: options.response_timeout,
-                connect_timeout: options.connect_timeout,
-                sync_replicas: options.sync_replicas,
-                by_runtime: RwLock::new(IdMap::default()),
-                replicated: Mutex::new(HashMap::new()),
-                delete: Mutex::new(NativeDelete::Script),
-                security: options.security,
-                tag: options.tag,
-                client_name: options.client_name,
-            }),
-        };
-        Ok(node)
-    }
-
-    pub(super) fn client(&self) -> Client {
-        self.pool
-            .client
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        Ok(Self {
+            pool: Arc::new(Pool::new(url, options)?),
+            route: Arc::new(route),
+        })
     }
 
     /// Passes `result` through. An error that may mean a failover makes a Sentinel-managed
@@ -169,9 +108,9 @@ impl Node {
         if let Err(error) = &result {
             if error.is_io_error() || error.is_connection_dropped() || error.is_connection_refusal()
             {
-                self.lock_identity().suspect = true;
+                self.pool.lock_identity().suspect = true;
             }
-            self.pool.route.failed(self, error);
+            self.route.failed(&self.pool, error);
         }
         result
     }
@@ -185,16 +124,16 @@ impl Node {
         }
         let delete = self.native_delete(&mut conn).await;
         *self.pool.delete.lock().unwrap_or_else(|e| e.into_inner()) = delete;
-        if self.pool.route.one_server() {
+        if self.route.one_server() {
             match self.run_id().await {
                 Ok(run_id) => {
                     // Just read: the connection that read it needs no second look.
-                    let mut identity = self.lock_identity();
+                    let mut identity = self.pool.lock_identity();
                     identity.run_id = Some(run_id);
                     identity.suspect = false;
                 }
                 // INFO is `@dangerous`: a user without it works, unchecked for restarts.
-                Err(error) if denied(&error) => self.lock_identity().unchecked = true,
+                Err(error) if denied(&error) => self.pool.lock_identity().unchecked = true,
                 Err(error) => return Err(error),
             }
         }
@@ -231,7 +170,7 @@ impl Node {
 
     /// Whether INFO was denied at `load_scripts`, so that a restart cannot be noticed.
     pub(crate) fn identity_unchecked(&self) -> bool {
-        self.lock_identity().unchecked
+        self.pool.lock_identity().unchecked
     }
 
     /// Sends the first of `cmds` that the user may run to the master behind this node (on
@@ -243,7 +182,7 @@ impl Node {
     ) -> RedisResult<(usize, Vec<(String, redis::Value)>)> {
         let mut last = None;
         for (at, cmd) in cmds.iter().enumerate() {
-            match self.conn().await?.each_master(self, cmd).await {
+            match self.each_master(&mut self.conn().await?, cmd).await {
                 Ok(answers) => return Ok((at, answers)),
                 Err(error) if denied(&error) => last = Some(error),
                 Err(error) => return Err(error),
@@ -260,14 +199,67 @@ impl Node {
 
     /// Every key matching `pattern`, by SCAN on the server (on Cluster: on every master).
     pub(crate) async fn scan(&self, pattern: &str) -> RedisResult<Vec<String>> {
-        let mut found = self.conn().await?.scan(self, pattern).await?;
+        let mut found = self.scan_masters(&self.conn().await?, pattern).await?;
         found.sort();
         found.dedup();
         Ok(found)
     }
 
-    fn lock_identity(&self) -> std::sync::MutexGuard<'_, Identity> {
-        self.pool.identity.lock().unwrap_or_else(|e| e.into_inner())
+    /// Sends `cmd` on `conn` to every master (the server itself, off Cluster) and returns
+    /// each answer with the master's address.
+    async fn each_master(&self, conn: &mut Conn, cmd: &Cmd) -> RedisResult<Vec<(String, Value)>> {
+        match conn {
+            Conn::Cluster(cluster) => {
+                let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                let answers = self.bounded(cluster.route_command(cmd.clone(), all)).await;
+                answers.and_then(|a| Ok(redis::from_redis_value(a)?))
+            }
+            Conn::Server(_) => {
+                let master = self.pool.client().get_connection_info().addr().to_string();
+                let answer = self.watch(self.bounded(cmd.query_async(conn)).await);
+                answer.map(|answer| vec![(master, answer)])
+            }
+        }
+    }
+
+    /// Every key matching `pattern`, by SCAN on `conn`'s server (on Cluster: on every
+    /// master, as [`Node::ask_masters`] lists them); a key may come more than once.
+    async fn scan_masters(&self, conn: &Conn, pattern: &str) -> RedisResult<Vec<String>> {
+        let mut found = Vec::new();
+        match conn {
+            Conn::Server(_) => {
+                let conn = conn.clone();
+                walk(pattern, &mut found, |scan| {
+                    let mut conn = conn.clone();
+                    async move { self.watch(self.bounded(scan.query_async(&mut conn)).await) }
+                })
+                .await?;
+            }
+            Conn::Cluster(conn) => {
+                let (_, masters) = self.ask_masters(&[redis::cmd("PING")]).await?;
+                for (address, _) in masters {
+                    let Some((host, port)) = address
+                        .rsplit_once(':')
+                        .and_then(|(h, p)| Some((h.to_owned(), p.parse::<u16>().ok()?)))
+                    else {
+                        continue;
+                    };
+                    walk(pattern, &mut found, |scan| {
+                        let mut conn = conn.clone();
+                        let at = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                            host: host.clone(),
+                            port,
+                        });
+                        async move {
+                            let answer = self.bounded(conn.route_command(scan, at)).await?;
+                            Ok(redis::from_redis_value(answer)?)
+                        }
+                    })
+                    .await?;
+                }
+            }
+        }
+        Ok(found)
     }
 
     pub(super) async fn run_id(&self) -> RedisResult<String> {
@@ -291,7 +283,7 @@ impl Node {
     /// that lock's lease may still run elsewhere.
     pub(crate) async fn eligible(&self) -> bool {
         let (suspect, known) = {
-            let identity = self.lock_identity();
+            let identity = self.pool.lock_identity();
             if identity.unchecked {
                 return true;
             }
@@ -309,7 +301,7 @@ impl Node {
         let Ok(current) = self.run_id().await else {
             return false;
         };
-        let mut identity = self.lock_identity();
+        let mut identity = self.pool.lock_identity();
         identity.suspect = false;
         if known.is_some_and(|known| known != current) {
             tracing::warn!(delay = ?self.pool.restart_delay, "a RedLock master restarted: kept out of quorums");
@@ -326,12 +318,12 @@ impl Node {
         let runtime = runtime::Handle::try_current()
             .map_err(|_| RedisError::from(io::Error::other("no tokio runtime")))?;
         let id = runtime.id();
-        if let Some(conn) = self.known_conn(id) {
+        if let Some(conn) = self.pool.known_conn(id) {
             return Ok(conn);
         }
-        let conn = self.pool.route.open(self).await?;
+        let conn = self.route.open(&self.pool).await?;
         let (conn, first) = {
-            let mut conns = self.lock_conns();
+            let mut conns = self.pool.lock_conns();
             let first = !conns.contains_key(&id);
             (conns.entry(id).or_insert(conn).clone(), first)
         };
@@ -339,57 +331,14 @@ impl Node {
             // A runtime's first connection may reach a server that restarted since the last
             // look, which no connection of this manager saw end: a RedLock master is checked
             // again before it counts towards a quorum.
-            self.lock_identity().suspect = true;
+            self.pool.lock_identity().suspect = true;
             // When this runtime shuts down it drops its tasks, this one among them, and the
             // runtime's connections go with it (each holds resources of that runtime). Spawned
             // with no lock held: on a runtime already shutting down, the task is dropped at
             // once, and forgets what was just inserted.
-            let forget = Forget {
-                pool: Arc::downgrade(&self.pool),
-                id,
-            };
-            drop(runtime.spawn(async move {
-                let _forget = forget;
-                std::future::pending::<()>().await;
-            }));
+            self.pool.forget_on_shutdown(&runtime, id);
         }
         Ok(conn)
-    }
-
-    /// A new link to the server, for the current runtime. A connection the server ended may
-    /// mean a restart: the server's identity is checked again, as after a failed request.
-    pub(super) fn link(&self) -> Link {
-        let pool = Arc::downgrade(&self.pool);
-        let lost = Arc::new(move || {
-            if let Some(pool) = pool.upgrade() {
-                pool.identity
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .suspect = true;
-            }
-        });
-        Link::new(
-            self.client(),
-            self.pool.config.clone(),
-            self.pool.client_name.clone(),
-            lost,
-        )
-    }
-
-    fn known_conn(&self, id: runtime::Id) -> Option<Conn> {
-        let known = self
-            .pool
-            .by_runtime
-            .read()
-            .unwrap_or_else(|e| e.into_inner());
-        known.get(&id).cloned()
-    }
-
-    fn lock_conns(&self) -> std::sync::RwLockWriteGuard<'_, IdMap<runtime::Id, Conn>> {
-        self.pool
-            .by_runtime
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// One acquire attempt for the hold of `req.token` on `req.lock`.
@@ -511,14 +460,14 @@ impl Node {
                 )
                 .await,
             )?;
-            self.put_back(conn);
+            self.pool.put_back(conn);
             let acked = u32::try_from(acked).unwrap_or(0);
             if acked < wanted {
                 self.release(&req.hold_ids(), Duration::ZERO).await?;
                 return Ok(Attempt::Unreplicated { acked, wanted });
             }
         } else {
-            self.put_back(conn);
+            self.pool.put_back(conn);
         }
         Ok(answer)
     }
@@ -528,39 +477,16 @@ impl Node {
         let id = runtime::Handle::try_current()
             .map_err(|_| RedisError::from(io::Error::other("no tokio runtime")))?
             .id();
-        if let Some(conn) = self.lock_replicated().get_mut(&id).and_then(Vec::pop) {
+        if let Some(conn) = self.pool.lock_replicated().get_mut(&id).and_then(Vec::pop) {
             return Ok(conn);
         }
         // Bounded by `bounded` around each command instead: WAIT takes longer than a reply.
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.pool.connect_timeout))
             .set_response_timeout(None);
-        let client = self.client();
+        let client = self.pool.client();
         let connect = client.get_multiplexed_async_connection_with_config(&config);
         self.watch(bounded(self.pool.connect_timeout, connect).await)
-    }
-
-    /// Keeps a connection that answered for the next grant (a few per runtime at most); one
-    /// that failed is dropped instead, as its state is unknown.
-    pub(super) fn put_back(&self, conn: MultiplexedConnection) {
-        const IDLE: usize = 4;
-        let Ok(handle) = runtime::Handle::try_current() else {
-            return;
-        };
-        let mut idle = self.lock_replicated();
-        let idle = idle.entry(handle.id()).or_default();
-        if idle.len() < IDLE {
-            idle.push(conn);
-        }
-    }
-
-    pub(super) fn lock_replicated(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<runtime::Id, Vec<MultiplexedConnection>>> {
-        self.pool
-            .replicated
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Gives back `hold` of `token` on `lock`, keeping the key `keep` longer (min_hold) once
@@ -792,7 +718,7 @@ impl Node {
             let batch: Vec<Renewal<'_>> = group.iter().map(|&at| items[at]).collect();
             async move { self.renew_together(&batch).await }
         };
-        self.pool.route.per_slot(locks, renew).await
+        self.route.per_slot(locks, renew).await
     }
 
     /// Renews leases that all live in one hash slot (any leases, off Cluster) in one call.
@@ -811,7 +737,11 @@ impl Node {
     pub(crate) async fn pubsub(&self) -> RedisResult<redis::aio::PubSub> {
         // On Cluster, classic pub/sub is cluster-wide: a PUBLISH on the node that owns a lock
         // reaches subscribers on any node, so the first seed serves.
-        bounded(self.pool.connect_timeout, self.client().get_async_pubsub()).await
+        bounded(
+            self.pool.connect_timeout,
+            self.pool.client().get_async_pubsub(),
+        )
+        .await
     }
 
     /// Whether the token of `hold` still owns its lock (for a share: whether the share's
@@ -868,16 +798,29 @@ fn command(name: &str, args: usize, bytes: usize) -> redis::Cmd {
     cmd
 }
 
-/// What a node knows about the server behind it.
-#[derive(Debug, Default)]
-pub(super) struct Identity {
-    run_id: Option<String>,
-    /// The connection was lost: the server may have restarted.
-    suspect: bool,
-    /// Restarted: not counted in quorums until then.
-    excluded_until: Option<std::time::Instant>,
-    /// INFO is denied to the user: restarts cannot be noticed.
-    unchecked: bool,
+/// Walks one server's keys with SCAN from cursor 0, each step sent by `send`, and adds those
+/// matching `pattern` to `found`.
+async fn walk<F, Fut>(pattern: &str, found: &mut Vec<String>, mut send: F) -> RedisResult<()>
+where
+    F: FnMut(Cmd) -> Fut,
+    Fut: Future<Output = RedisResult<(u64, Vec<String>)>>,
+{
+    let mut cursor = 0u64;
+    loop {
+        let scan = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .to_owned();
+        let (next, keys) = send(scan).await?;
+        found.extend(keys);
+        if next == 0 {
+            return Ok(());
+        }
+        cursor = next;
+    }
 }
 
 /// Whether the server refused a command to this user (NOPERM), or does not know it (renamed
@@ -891,44 +834,5 @@ pub(crate) fn denied(error: &RedisError) -> bool {
             text.contains("unknown command") || text.contains("NOPERM")
         }
         _ => false,
-    }
-}
-
-/// Bounds `op`, reconnect waits included, by `limit`.
-pub(super) fn bounded<T>(
-    limit: Duration,
-    op: impl Future<Output = RedisResult<T>>,
-) -> impl Future<Output = RedisResult<T>> {
-    // A combinator, not an `async fn`: that would keep `op` twice in its state (as the
-    // argument, and inside the timeout).
-    tokio::time::timeout(limit, op).map(move |answer| {
-        answer.unwrap_or_else(|_| {
-            Err(RedisError::from(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("no answer from redis within {limit:?}"),
-            )))
-        })
-    })
-}
-
-/// Forgets the connections of one runtime when dropped: by the runtime, as it shuts down.
-struct Forget {
-    pool: std::sync::Weak<Pool>,
-    id: runtime::Id,
-}
-
-impl Drop for Forget {
-    fn drop(&mut self) {
-        let Some(pool) = self.pool.upgrade() else {
-            return;
-        };
-        pool.by_runtime
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.id);
-        pool.replicated
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.id);
     }
 }

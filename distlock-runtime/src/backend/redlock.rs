@@ -15,7 +15,8 @@ use redis::{RedisError, RedisResult};
 use tokio::runtime;
 
 use super::hold::{AcquireRequest, Attempt, HoldIds, HoldRef, Renewal};
-use super::node::{ConnectOptions, Node, bounded};
+use super::node::Node;
+use super::pool::{ConnectOptions, bounded};
 
 /// Several independent masters, a majority of which must agree.
 #[derive(Clone, Debug)]

@@ -8,28 +8,8 @@ use std::time::Duration;
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisError, RedisResult};
 use tokio::runtime;
 
-use super::node::{ConnectOptions, Node, bounded};
-use super::route::Route;
+use super::pool::{ConnectOptions, Pool, bounded};
 use crate::security::Security;
-
-impl Node {
-    /// The master that the Sentinels at `sentinels` name `master`; it follows failovers: a
-    /// connection error or a READONLY answer makes it ask the Sentinels again.
-    pub(crate) async fn sentinel(
-        sentinels: &[String],
-        master: &str,
-        options: ConnectOptions,
-    ) -> RedisResult<Self> {
-        let source = Sentinel {
-            sentinels: sentinels.to_vec(),
-            master: master.to_owned(),
-            refreshing: AtomicBool::new(false),
-            security: options.security.clone(),
-        };
-        let master = source.resolve(options.connect_timeout).await?;
-        Self::with(master, options, Route::Sentinel(Arc::new(source)))
-    }
-}
 
 /// Where a Sentinel-managed master is found.
 pub(super) struct Sentinel {
@@ -40,33 +20,50 @@ pub(super) struct Sentinel {
 }
 
 impl Sentinel {
-    /// Hears of a failed request on `node`: an error that may mean a failover makes it ask
-    /// the Sentinels for the current master, in the background, unless it is asking already.
-    pub(super) fn notice(self: &Arc<Self>, node: &Node, error: &RedisError) {
+    /// Where the Sentinels at `sentinels` find the master they name `master`, and the master
+    /// they name now, reached with `options`.
+    pub(super) async fn find(
+        sentinels: &[String],
+        master: &str,
+        options: &ConnectOptions,
+    ) -> RedisResult<(ConnectionInfo, Self)> {
+        let source = Self {
+            sentinels: sentinels.to_vec(),
+            master: master.to_owned(),
+            refreshing: AtomicBool::new(false),
+            security: options.security.clone(),
+        };
+        let master = source.resolve(options.connect_timeout).await?;
+        Ok((master, source))
+    }
+
+    /// Hears of a failed request on the connections of `pool`: an error that may mean a
+    /// failover makes it ask the Sentinels for the current master, in the background, unless
+    /// it is asking already.
+    pub(super) fn notice(self: &Arc<Self>, pool: &Arc<Pool>, error: &RedisError) {
         let failover = error.is_io_error()
             || error.is_timeout()
             || error.is_connection_refusal()
             || error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly);
         if failover && !self.refreshing.swap(true, Ordering::AcqRel) {
-            let (sentinel, node) = (Arc::clone(self), node.clone());
+            let (sentinel, pool) = (Arc::clone(self), Arc::clone(pool));
             if let Ok(runtime) = runtime::Handle::try_current() {
-                drop(runtime.spawn(async move { sentinel.follow(&node).await }));
+                drop(runtime.spawn(async move { sentinel.follow(&pool).await }));
             } else {
                 self.refreshing.store(false, Ordering::Release);
             }
         }
     }
 
-    /// Asks the Sentinels for the master and, if it moved, points `node` at it: the
+    /// Asks the Sentinels for the master and, if it moved, points `pool` at it: the
     /// connections to the old one are dropped, and the next request opens one to the new.
-    async fn follow(&self, node: &Node) {
-        match self.resolve(node.pool.connect_timeout).await {
-            Ok(master) => match node.pool.security.client(master) {
+    async fn follow(&self, pool: &Pool) {
+        match self.resolve(pool.connect_timeout).await {
+            Ok(master) => match pool.security.client(master) {
                 Ok(client) => {
                     let master = client.get_connection_info().addr().to_string();
                     let moved = {
-                        let mut current =
-                            node.pool.client.lock().unwrap_or_else(|e| e.into_inner());
+                        let mut current = pool.client.lock().unwrap_or_else(|e| e.into_inner());
                         let moved = current.get_connection_info().addr()
                             != client.get_connection_info().addr();
                         if moved {
@@ -76,12 +73,8 @@ impl Sentinel {
                     };
                     if moved {
                         tracing::info!(%master, "following the new master");
-                        node.pool
-                            .by_runtime
-                            .write()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .clear();
-                        node.lock_replicated().clear();
+                        pool.lock_conns().clear();
+                        pool.lock_replicated().clear();
                     }
                 }
                 Err(error) => tracing::warn!(%error, "bad master address from Sentinel"),

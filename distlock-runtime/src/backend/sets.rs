@@ -7,7 +7,8 @@ use std::time::Duration;
 use redis::RedisResult;
 
 use super::hold::millis;
-use super::node::{Node, bounded};
+use super::node::Node;
+use super::pool::bounded;
 use super::redlock::{RedLock, if_eligible, node_limit, sooner};
 use crate::scripts;
 
@@ -60,7 +61,7 @@ impl Node {
     /// One attempt at a whole set: one script call, or on Cluster one per hash slot.
     pub(crate) async fn acquire_set(&self, req: &SetRequest) -> RedisResult<SetAttempt> {
         let locks = req.keys.iter().map(|k| k.lock.as_str());
-        let Some(groups) = self.pool.route.slot_groups(locks) else {
+        let Some(groups) = self.route.slot_groups(locks) else {
             return self.acquire_together(req).await;
         };
         let mut fences = vec![0; req.keys.len()];
@@ -121,14 +122,14 @@ impl Node {
                 .to_owned();
             let limit = self.pool.response_timeout + timeout;
             let acked: i64 = self.watch(bounded(limit, wait.query_async(&mut conn)).await)?;
-            self.put_back(conn);
+            self.pool.put_back(conn);
             let acked = u32::try_from(acked).unwrap_or(0);
             if acked < wanted {
                 self.release_set(req).await?;
                 return Ok(SetAttempt::Unreplicated { acked, wanted });
             }
         } else {
-            self.put_back(conn);
+            self.pool.put_back(conn);
         }
         Ok(attempt)
     }
@@ -140,7 +141,7 @@ impl Node {
             let part = req.part(group);
             async move { self.release_together(&part).await }
         };
-        self.pool.route.per_slot(locks, release).await
+        self.route.per_slot(locks, release).await
     }
 
     /// Gives back the locks of a set that all live in one hash slot (any locks, off Cluster)
