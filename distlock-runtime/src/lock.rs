@@ -130,7 +130,7 @@ async fn take(manager: &LockManager, asking: Box<Server>) -> Result<LockGuard, L
     if let Shape::Fair { join, .. } = request.shape {
         // Boxed: its state stays out of the plain path's future.
         let outcome = Box::pin(engine().fair(join)).await?;
-        return Ok(granted(manager, plan, &request, kind, outcome));
+        return Ok(granted(manager, plan, request, kind, outcome));
     }
     // A plain lock can be handed over by a local release, in that release's round trip.
     let hand_off = matches!(request.shape, Shape::Plain) && inner.backend.capabilities().hand_off;
@@ -162,7 +162,7 @@ async fn take(manager: &LockManager, asking: Box<Server>) -> Result<LockGuard, L
             }
         }
     };
-    Ok(granted(manager, plan, &request, kind, outcome))
+    Ok(granted(manager, plan, request, kind, outcome))
 }
 
 /// Whether this task already holds the lock `plan` asks for, in a way that makes the request
@@ -241,7 +241,7 @@ async fn name_holder(manager: &LockManager, error: LockError) -> LockError {
 fn granted(
     manager: &LockManager,
     plan: Plan<Keys>,
-    request: &Arc<AcquireRequest>,
+    request: Arc<AcquireRequest>,
     kind: Kind,
     outcome: Outcome<u64>,
 ) -> LockGuard {
@@ -268,8 +268,9 @@ fn granted(
     tracing::debug!(attempts, waited = ?acquired.waited, local = local.is_some(), "acquired");
     let from = match local {
         Some(local) => From::Passed(local),
+        // The request's own strings become the hold's: no copy once its attempts are done.
         None => From::Server {
-            ids: Arc::new(request.hold_ids()),
+            ids: Arc::new(Arc::unwrap_or_clone(request).into_hold_ids()),
             fence,
         },
     };
