@@ -98,7 +98,7 @@ pub enum OnLost {
 
 /// What an annotated call holds while its body runs: one lock ([`LockGuard`]) or a set
 /// ([`MultiGuard`]).
-pub trait Guard: Sized + Send {
+pub trait Guarded: Sized + Send {
     /// Runs `body` in a frame of its own that holds these locks (and what the caller holds).
     fn hold_during<F: Future>(&self, body: F) -> impl Future<Output = F::Output>;
     /// Completes when a lease is lost, with the error to report.
@@ -111,7 +111,7 @@ pub trait Guard: Sized + Send {
     fn describe(&self) -> String;
 }
 
-impl Guard for LockGuard {
+impl Guarded for LockGuard {
     fn hold_during<F: Future>(&self, body: F) -> impl Future<Output = F::Output> {
         crate::context::run_holding(Some(self.held()), body)
     }
@@ -133,7 +133,7 @@ impl Guard for LockGuard {
     }
 }
 
-impl Guard for MultiGuard {
+impl Guarded for MultiGuard {
     fn hold_during<F: Future>(&self, body: F) -> impl Future<Output = F::Output> {
         crate::context::run_holding(self.held(), body)
     }
@@ -157,7 +157,7 @@ impl Guard for MultiGuard {
 
 /// Runs the body in a frame of its own that holds `guard` (and what the caller holds),
 /// watching the lease as `on_lost` says.
-pub async fn run<G: Guard, F: Future>(
+pub async fn run<G: Guarded, F: Future>(
     guard: &G,
     on_lost: OnLost,
     body: F,
@@ -189,7 +189,7 @@ pub async fn run<G: Guard, F: Future>(
 /// enter at once. A lease found lost is an error unless `on_lost` is `Continue`; other
 /// release failures are logged (the lease expires by itself) and not returned, since the
 /// body's work is done.
-pub async fn release<G: Guard>(guard: G, on_lost: OnLost) -> Result<(), LockError> {
+pub async fn release<G: Guarded>(guard: G, on_lost: OnLost) -> Result<(), LockError> {
     let key = guard.describe();
     match guard.release().await {
         Ok(()) => Ok(()),

@@ -29,7 +29,7 @@ use crate::waiters::Ticket;
 /// What one attempt sends, and what the engine needs to know of it: one lock, or a set.
 pub(crate) trait Ask: Sync {
     /// What a granted attempt brings: the fencing token (tokens, for a set).
-    type Won: Send + 'static;
+    type Fences: Send + 'static;
 
     /// Several locks: the queue to follow is that of the lock found busy, known only from a
     /// busy answer; and a set takes no turns in a cohort's sit-out.
@@ -39,7 +39,7 @@ pub(crate) trait Ask: Sync {
     fn send(
         &self,
         inner: &Inner,
-    ) -> impl Future<Output = Result<redis::RedisResult<Reply<Self::Won>>, LockError>> + Send;
+    ) -> impl Future<Output = Result<redis::RedisResult<Reply<Self::Fences>>, LockError>> + Send;
 
     /// The owner token the attempts carry.
     fn token(&self) -> &str;
@@ -150,7 +150,7 @@ pub(crate) async fn send<'a, A: Ask>(
     ask: &'a A,
     metrics: Labels,
     cover: &mut Cover<'a, A>,
-) -> Result<First<A::Won>, LockError> {
+) -> Result<First<A::Fences>, LockError> {
     crate::metrics::attempt(metrics);
     let sent = Instant::now();
     cover.maybe_held = true;
@@ -260,7 +260,7 @@ impl<'a, A: Ask> Engine<'a, A> {
         self
     }
 
-    async fn send(&mut self) -> Result<First<A::Won>, LockError> {
+    async fn send(&mut self) -> Result<First<A::Fences>, LockError> {
         send(self.inner, self.ask, self.metrics, &mut self.cover).await
     }
 
@@ -268,9 +268,9 @@ impl<'a, A: Ask> Engine<'a, A> {
     /// waits, and attempts again until the request wins or its bounds run out.
     pub(crate) async fn wait(
         mut self,
-        mut first: Option<First<A::Won>>,
+        mut first: Option<First<A::Fences>>,
         queue_first: bool,
-    ) -> Result<Outcome<A::Won>, LockError> {
+    ) -> Result<Outcome<A::Fences>, LockError> {
         let queues = self.bounds.retries > 0;
         if first.is_none() && queues && queue_first && self.has_waiters() {
             let inner = self.inner;
@@ -308,10 +308,10 @@ impl<'a, A: Ask> Engine<'a, A> {
     /// lock or the manager sits out, else an attempt and what its answer decides.
     async fn next(
         &mut self,
-        first: &mut Option<First<A::Won>>,
+        first: &mut Option<First<A::Fences>>,
         sitting_out: Option<Instant>,
         queues: bool,
-    ) -> Result<Then<A::Won>, LockError> {
+    ) -> Result<Then<A::Fences>, LockError> {
         // A task of this manager holds the lock: its release hands it over (or wakes this
         // head); asking the server now would only hear "busy".
         let sibling_holds = self.ticket().and_then(Ticket::held_here);
@@ -346,9 +346,9 @@ impl<'a, A: Ask> Engine<'a, A> {
     fn decide(
         &mut self,
         sent: Instant,
-        outcome: redis::RedisResult<Reply<A::Won>>,
+        outcome: redis::RedisResult<Reply<A::Fences>>,
         queues: bool,
-    ) -> Result<Then<A::Won>, LockError> {
+    ) -> Result<Then<A::Fences>, LockError> {
         self.cover.answered(outcome.as_ref().ok());
         let answer = Reply::answer(&outcome);
         let holder_ttl = match outcome {
@@ -422,7 +422,7 @@ impl<'a, A: Ask> Engine<'a, A> {
     }
 
     /// The error of an answer that waiting cannot change.
-    fn refused(&self, reply: Reply<A::Won>) -> LockError {
+    fn refused(&self, reply: Reply<A::Fences>) -> LockError {
         let key = self.name(0).to_owned();
         match reply {
             Reply::PermitsMismatch { stored } => LockError::PermitsMismatch {
@@ -552,7 +552,7 @@ impl<'a, A: Ask> Engine<'a, A> {
 
     /// The outcome of a hand-off: the lock's lease began when it was sent, or is the shared
     /// lease of the hold passed locally.
-    fn handed(&mut self, handed: Handed) -> Outcome<A::Won> {
+    fn handed(&mut self, handed: Handed) -> Outcome<A::Fences> {
         // A hand-off through the server gave this request's own token: it covers any grant an
         // unanswered attempt may hold, which must not be released now. A local pass gave
         // another: the cover stays, for what such an attempt may hold.
@@ -567,7 +567,7 @@ impl<'a, A: Ask> Engine<'a, A> {
 
     /// The request settled: the cover goes (giving back what it still covers), the ticket
     /// stays with the outcome.
-    fn settle(&mut self, won: Won<A::Won>) -> Outcome<A::Won> {
+    fn settle(&mut self, won: Won<A::Fences>) -> Outcome<A::Fences> {
         let ticket = self.ticket.take().map(|(_, ticket)| ticket);
         Outcome {
             won,
@@ -627,7 +627,7 @@ impl<'a, A: Ask> Engine<'a, A> {
 /// timer that renews the queue entry and notices an expiry.
 impl<'a, A: Ask> Engine<'a, A> {
     /// The fair loop. `join`: the request may queue (it may wait).
-    pub(crate) async fn fair(mut self, join: bool) -> Result<Outcome<A::Won>, LockError> {
+    pub(crate) async fn fair(mut self, join: bool) -> Result<Outcome<A::Fences>, LockError> {
         self.fair = true;
         let mut looked_again = false;
         loop {
@@ -681,8 +681,8 @@ impl<'a, A: Ask> Engine<'a, A> {
     #[allow(clippy::type_complexity)]
     fn fair_answer(
         &mut self,
-        outcome: redis::RedisResult<Reply<A::Won>>,
-    ) -> Result<Result<A::Won, Option<Duration>>, LockError> {
+        outcome: redis::RedisResult<Reply<A::Fences>>,
+    ) -> Result<Result<A::Fences, Option<Duration>>, LockError> {
         Ok(Err(match outcome {
             Ok(Reply::Held(won)) => return Ok(Ok(won)),
             Ok(Reply::Busy { holder_ttl, .. }) => {
@@ -755,7 +755,7 @@ impl<'a, A: Ask> Engine<'a, A> {
         }
     }
 
-    fn fair_handed(&mut self, handed: Handed) -> Outcome<A::Won> {
+    fn fair_handed(&mut self, handed: Handed) -> Outcome<A::Fences> {
         self.cover.maybe_held = false;
         self.settle(Won::Handed(handed))
     }
@@ -873,7 +873,7 @@ impl<'a, A: Ask> Cover<'a, A> {
     /// Notes what an attempt's answer (`None`: none came) means for the intent: a writer
     /// granted the lock took its own intent back in the same script; one refused, or whose
     /// answer was lost, may have left one.
-    fn answered(&mut self, reply: Option<&Reply<A::Won>>) {
+    fn answered(&mut self, reply: Option<&Reply<A::Fences>>) {
         self.intent_left =
             self.ask.intent().is_some() && matches!(reply, None | Some(Reply::Busy { .. }));
     }

@@ -313,7 +313,7 @@ fn grant(
             (ids, lease, set.min(sent), (0, None, passes), None)
         }
     };
-    let renewal = renewal(&manager.inner, &plan, &ids, &lease, set);
+    let renewal = register_renewal(&manager.inner, &plan, &ids, &lease, set);
     let held = Held::first(&manager.inner, &plan, kind, ids, lease.clone(), start);
     build(manager, plan, fence, lease, acquired, renewal, held)
 }
@@ -326,7 +326,7 @@ pub(crate) fn nested(manager: &LockManager, plan: Plan<Keys>, held: Arc<Held>) -
     let sent = Instant::now();
     held.enter(keep_until(sent, plan.options.min_hold));
     let lease = held.lease.clone();
-    let renewal = renewal(&manager.inner, &plan, &held.ids, &lease, sent);
+    let renewal = register_renewal(&manager.inner, &plan, &held.ids, &lease, sent);
     tracing::debug!("acquired a nested hold");
     let acquired = Acquired {
         attempts: 1,
@@ -338,7 +338,7 @@ pub(crate) fn nested(manager: &LockManager, plan: Plan<Keys>, held: Arc<Held>) -
 }
 
 /// The watchdog's renewal of `lease` (set at `set`), when the request asked for one.
-pub(crate) fn renewal<K>(
+pub(crate) fn register_renewal<K>(
     inner: &Arc<Inner>,
     plan: &Plan<K>,
     ids: &Arc<HoldIds>,
@@ -411,7 +411,7 @@ fn build(
 }
 
 impl Ask for Arc<AcquireRequest> {
-    type Won = u64;
+    type Fences = u64;
 
     async fn send(&self, inner: &Inner) -> Result<redis::RedisResult<Reply<u64>>, LockError> {
         let attempt = self.clone();

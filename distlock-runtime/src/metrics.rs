@@ -206,7 +206,7 @@ pub(crate) fn hold_ended(labels: Labels, since: Instant, lost: bool) {
 
 /// The outcome of one lease's renewal.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Renewal {
+pub(crate) enum RenewalOutcome {
     Renewed,
     Lost,
     Failed,
@@ -214,13 +214,13 @@ pub(crate) enum Renewal {
 
 /// The watchdog renewed (or tried to renew) one lease.
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn renewal(labels: Labels, outcome: Renewal) {
+pub(crate) fn renewal(labels: Labels, outcome: RenewalOutcome) {
     #[cfg(feature = "metrics")]
     {
         let outcome = match outcome {
-            Renewal::Renewed => "renewed",
-            Renewal::Lost => "lost",
-            Renewal::Failed => "failed",
+            RenewalOutcome::Renewed => "renewed",
+            RenewalOutcome::Lost => "lost",
+            RenewalOutcome::Failed => "failed",
         };
         labelled!(counter, RENEWALS, labels, "outcome" => outcome).increment(1);
     }

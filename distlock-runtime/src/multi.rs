@@ -45,7 +45,7 @@ async fn acquire_set(mut request: MultiLockRequest<'_>) -> Result<MultiGuard, Lo
     }
     let names: Vec<&str> = plan.keys.iter().map(|k| k.name.as_str()).collect();
     let span = tracing::debug_span!("lock.acquire_all", template = plan.template(), keys = ?names);
-    let guard = Box::pin(acquire(manager, plan).instrument(span)).await?;
+    let guard = Box::pin(take_set(manager, plan).instrument(span)).await?;
     if guard.listing == Listing::Unlisted {
         // Granted while the manager shut down: dropping it gives it back.
         return Err(LockError::ShutDown);
@@ -53,7 +53,7 @@ async fn acquire_set(mut request: MultiLockRequest<'_>) -> Result<MultiGuard, Lo
     Ok(guard)
 }
 
-async fn acquire(manager: &LockManager, plan: Plan<Vec<Keys>>) -> Result<MultiGuard, LockError> {
+async fn take_set(manager: &LockManager, plan: Plan<Vec<Keys>>) -> Result<MultiGuard, LockError> {
     let inner = &manager.inner;
     let names: Vec<String> = plan.keys.iter().map(|k| k.name.clone()).collect();
     // Keys this code already holds are nested holds of those locks, granted at once (or
@@ -153,7 +153,13 @@ fn grant_set(
         // One hold identity per lock, shared by its renewal, its context entry and its
         // release.
         let ids = Arc::new(hold_ids(key, &request.token));
-        renewals.extend(lock::renewal(inner, plan, &ids, &lease, acquired.sent));
+        renewals.extend(lock::register_renewal(
+            inner,
+            plan,
+            &ids,
+            &lease,
+            acquired.sent,
+        ));
         let start = (fence, None, 0);
         held.push(Held::first(
             inner,
@@ -206,7 +212,7 @@ fn list(inner: &Inner, request: &SetRequest, lease: &Arc<LeaseState>) -> Listing
 }
 
 impl Ask for SetRequest {
-    type Won = Vec<u64>;
+    type Fences = Vec<u64>;
     const SET: bool = true;
 
     async fn send(&self, inner: &Inner) -> Result<redis::RedisResult<Reply<Vec<u64>>>, LockError> {
@@ -383,12 +389,14 @@ impl MultiGuard {
                 }
             }
         };
-        type Lost<'a> = std::pin::Pin<Box<dyn Future<Output = LockError> + Send + 'a>>;
+        type LostFuture<'a> = std::pin::Pin<Box<dyn Future<Output = LockError> + Send + 'a>>;
         let nested = futures_util::future::select_all(
             self.nested
                 .iter()
-                .map(|guard| Box::pin(guard.lost()) as Lost<'_>)
-                .chain(std::iter::once(Box::pin(std::future::pending()) as Lost<'_>)),
+                .map(|guard| Box::pin(guard.lost()) as LostFuture<'_>)
+                .chain(std::iter::once(
+                    Box::pin(std::future::pending()) as LostFuture<'_>
+                )),
         );
         tokio::select! {
             lost = own => lost,

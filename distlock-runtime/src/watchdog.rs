@@ -30,7 +30,7 @@ const BATCH: usize = 512;
 #[derive(Debug)]
 pub(crate) struct Registration {
     id: u64,
-    watchdog: Weak<Shared>,
+    watchdog: Weak<Renewals>,
 }
 
 impl Drop for Registration {
@@ -78,11 +78,11 @@ pub(crate) struct Counters {
 
 #[derive(Debug, Default)]
 pub(crate) struct Watchdog {
-    shared: Arc<Shared>,
+    shared: Arc<Renewals>,
 }
 
 #[derive(Debug, Default)]
-struct Shared {
+struct Renewals {
     leases: Mutex<Leases>,
     wake: Notify,
     counters: Counters,
@@ -108,7 +108,7 @@ struct Lease {
     metrics: crate::metrics::Labels,
 }
 
-impl Shared {
+impl Renewals {
     fn lock(&self) -> std::sync::MutexGuard<'_, Leases> {
         self.leases.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -183,7 +183,7 @@ struct Due {
 }
 
 /// The watchdog task: ends when no lease is left, or with the manager's runtime.
-async fn run(shared: Arc<Shared>, backend: Backend) {
+async fn run(shared: Arc<Renewals>, backend: Backend) {
     loop {
         let (due, next_wake) = {
             let mut leases = shared.lock();
@@ -256,7 +256,7 @@ fn collect_due(leases: &mut Leases) -> (Vec<Due>, Instant) {
     (due, next_wake)
 }
 
-async fn renew(shared: &Shared, backend: &Backend, due: Vec<Due>) {
+async fn renew(shared: &Renewals, backend: &Backend, due: Vec<Due>) {
     for batch in due.chunks(BATCH) {
         let sent = Instant::now();
         let items: Vec<Renewal<'_>> = batch
@@ -276,14 +276,20 @@ async fn renew(shared: &Shared, backend: &Backend, due: Vec<Due>) {
                     // An answer after the local deadline finds the lease already lost.
                     if renewed && lease.state.renewed(sent, lease.ttl) {
                         shared.counters.renewed.fetch_add(1, Ordering::Relaxed);
-                        crate::metrics::renewal(lease.metrics, crate::metrics::Renewal::Renewed);
+                        crate::metrics::renewal(
+                            lease.metrics,
+                            crate::metrics::RenewalOutcome::Renewed,
+                        );
                     } else if leases.by_id.remove(&lease.id).is_some() {
                         // (A lease released while its renewal was in flight is not lost.)
                         tracing::warn!(lock = %lease.hold.lock, renewed, "lease lost: renewal found another owner or no key, or came too late");
                         // Marked first: a loss that is counted is already seen by the guard.
                         lease.state.mark_lost();
                         shared.counters.lost.fetch_add(1, Ordering::Release);
-                        crate::metrics::renewal(lease.metrics, crate::metrics::Renewal::Lost);
+                        crate::metrics::renewal(
+                            lease.metrics,
+                            crate::metrics::RenewalOutcome::Lost,
+                        );
                     } else if !renewed {
                         // Released while this renewal was in flight, but the key was gone or
                         // another owner's already: a holder the lease was passed on to must
@@ -297,7 +303,7 @@ async fn renew(shared: &Shared, backend: &Backend, due: Vec<Due>) {
                 tracing::warn!(%error, leases = batch.len(), "lease renewal failed");
                 let mut leases = shared.lock();
                 for lease in batch {
-                    crate::metrics::renewal(lease.metrics, crate::metrics::Renewal::Failed);
+                    crate::metrics::renewal(lease.metrics, crate::metrics::RenewalOutcome::Failed);
                     if let Some(entry) = leases.by_id.get_mut(&lease.id) {
                         let soon = (lease.ttl / 10).min(Duration::from_secs(1));
                         entry.next_renewal = Instant::now() + soon;

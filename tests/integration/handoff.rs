@@ -368,3 +368,66 @@ async fn the_next_waiter_is_not_stalled_by_a_handed_lock_whose_holder_vanished()
     guard.release().await.unwrap();
     assert_eq!(locks.stats().local_handoffs, 1);
 }
+
+/// A holder whose lock was taken away (here deleted, then taken by another manager) hands
+/// nothing over: the hand-off's owner check finds another owner, the release reports the
+/// lease lost, and the lock stays with its new owner instead of going to the robbed holder's
+/// waiting sibling as well.
+#[tokio::test]
+async fn a_robbed_holder_hands_nothing_over() {
+    let server = shared_server();
+    let prefix = unique_prefix("h-robbed");
+    let locks = manager(&server, &prefix).await;
+    let other = manager(&server, &prefix).await;
+    let holder = locks
+        .lock("k")
+        .ttl(LONG)
+        .cohort(false)
+        .acquire()
+        .await
+        .unwrap();
+    let sibling = locks.clone();
+    let waiting = tokio::spawn(async move {
+        // Its timer never fires within the test: only a hand-off or a release lets it in.
+        sibling
+            .lock("k")
+            .ttl(LONG)
+            .cohort(false)
+            .retry_delay(LONG)
+            .wait(LONG)
+            .acquire()
+            .await
+    });
+    // Its first attempt and the look again once queued have been answered (busy): from
+    // here on it only waits, ready for a hand-off.
+    let started = std::time::Instant::now();
+    while locks.stats().attempts < 3 || locks.stats().ready_for_handoff == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            locks.stats()
+        );
+        tokio::task::yield_now().await;
+    }
+    // The lock is taken away from the holder and taken by another owner.
+    let key = locks.redis_key("k");
+    let _: () = raw(&server).await.del(&key).await.unwrap();
+    let thief = other.lock("k").ttl(LONG).try_acquire().await.unwrap();
+    let thief = thief.expect("the deleted lock is free");
+    assert!(matches!(
+        holder.release().await,
+        Err(LockError::Lost { .. })
+    ));
+    let owner: String = raw(&server).await.get(&key).await.unwrap();
+    assert_eq!(
+        owner,
+        thief.token(),
+        "the lock went to the robbed holder's sibling"
+    );
+    assert!(thief.is_held().await.unwrap());
+    assert!(!waiting.is_finished());
+    thief.release().await.unwrap();
+    let sibling = waiting.await.unwrap().unwrap();
+    sibling.release().await.unwrap();
+    assert!(keys(&server, &prefix).is_empty());
+}

@@ -28,10 +28,10 @@ pub(super) type Lost = Arc<dyn Fn() + Send + Sync>;
 /// A reconnecting multiplexed connection; clones share it.
 #[derive(Clone)]
 pub(super) struct Link {
-    inner: Arc<Inner>,
+    inner: Arc<LinkState>,
 }
 
-struct Inner {
+struct LinkState {
     client: Client,
     config: AsyncConnectionConfig,
     /// What each connection calls itself on the server (`CLIENT SETNAME`).
@@ -63,7 +63,7 @@ impl Link {
         lost: Lost,
     ) -> Self {
         Self {
-            inner: Arc::new(Inner {
+            inner: Arc::new(LinkState {
                 client,
                 config,
                 name,
@@ -209,7 +209,7 @@ impl Link {
 }
 
 /// Closes the connection of `generation`, if it is still the open one.
-fn close(link: &Inner, generation: u64) {
+fn close(link: &LinkState, generation: u64) {
     let mut state = link.state.lock().unwrap_or_else(|e| e.into_inner());
     if matches!(&*state, State::Open { generation: now, .. } if *now == generation) {
         *state = State::Closed;

@@ -25,11 +25,11 @@ use super::hold::{
     HoldRef, Renewal, Shape, millis,
 };
 use super::link::Query;
-use super::pool::{Bounds, Conn, ConnectOptions, NativeDelete, Pool, bounded};
+use super::pool::{AnswerBound, Conn, ConnectOptions, NativeDelete, Pool, bounded};
 use super::route::Route;
 use super::sentinel::Sentinel;
 
-/// Awaits `op`, a request on a connection whose [`Bounds`] are `bounds`, within the
+/// Awaits `op`, a request on a connection whose [`AnswerBound`] are `bounds`, within the
 /// response timeout of `node`: in place where the connection bounds it itself, under a timer
 /// elsewhere. A macro rather than a function or a combinator: those take the request's future
 /// by value, and every move of it (over a kilobyte, with the connection's own timeout inside)
@@ -37,8 +37,8 @@ use super::sentinel::Sentinel;
 macro_rules! answer {
     ($node:expr, $bounds:expr, $op:expr) => {
         match $bounds {
-            Bounds::Itself => $op.await,
-            Bounds::Timer => $node.bounded($op).await,
+            AnswerBound::Itself => $op.await,
+            AnswerBound::Timer => $node.bounded($op).await,
         }
     };
 }

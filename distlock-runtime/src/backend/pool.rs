@@ -223,7 +223,7 @@ impl Drop for Forget {
     }
 }
 
-/// Bounds `op`, reconnect waits included, by `limit`.
+/// AnswerBound `op`, reconnect waits included, by `limit`.
 pub(super) fn bounded<T>(
     limit: Duration,
     op: impl Future<Output = RedisResult<T>>,
@@ -252,7 +252,7 @@ pub(super) enum Conn {
 
 /// What bounds the wait for an answer on a connection.
 #[derive(Debug, Clone, Copy)]
-pub(super) enum Bounds {
+pub(super) enum AnswerBound {
     /// The connection's own response timeout.
     Itself,
     /// A timer around the request.
@@ -261,10 +261,10 @@ pub(super) enum Bounds {
 
 impl Conn {
     /// What bounds the wait for an answer on this connection.
-    pub(super) fn bounds(&self) -> Bounds {
+    pub(super) fn bounds(&self) -> AnswerBound {
         match self {
-            Self::Server(_) => Bounds::Itself,
-            Self::Cluster(_) => Bounds::Timer,
+            Self::Server(_) => AnswerBound::Itself,
+            Self::Cluster(_) => AnswerBound::Timer,
         }
     }
 }
