@@ -106,7 +106,7 @@ MUTATIONS = [
     ("election: a new leader's term does not grow", "elections",
      [(RT + "election.rs", "let term = guard.fencing_token().unwrap_or_default();",
        "let term = guard.fencing_token().unwrap_or_default() % 3;")]),
-    ("lock: a waiter's sleep is not bounded by its deadline", "exclusive",
+    ("decide: a waiter's sleep is not bounded by its deadline", "exclusive",
      [(RT + "decide.rs", "for bound in [bounds.deadline, sitting_out]", "for bound in [sitting_out]")]),
     ("retry: the fallback timer is not bounded by the holder's lease", "waiting",
      [(RT + "retry.rs", "Some(ttl) => jittered.min(ttl.saturating_add(Duration::from_millis(1))),",
