@@ -9,6 +9,9 @@ use redis::AsyncCommands;
 
 use crate::support::{keys, manager, raw, shared_server, unique_prefix};
 
+/// A `min_hold` window long enough for a handful of attempts inside it, on a loaded machine.
+const MIN_HOLD: Duration = Duration::from_secs(1);
+
 /// The lock kinds a key can be used through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -138,7 +141,7 @@ async fn marker_keeps_every_kind_out(first: Kind, test: &str) {
     let prefix = unique_prefix(test);
     let locks = manager(&server, &prefix).await;
     let job = request(&locks, first, "nightly")
-        .min_hold(Duration::from_secs(5))
+        .min_hold(MIN_HOLD)
         .acquire()
         .await
         .unwrap();
@@ -261,7 +264,7 @@ async fn min_hold_of_an_outer_hold_released_first_is_kept() {
         let outer = locks
             .write_lock("job")
             .reentrant(true)
-            .min_hold(Duration::from_secs(5))
+            .min_hold(MIN_HOLD)
             .acquire()
             .await
             .unwrap();
