@@ -240,18 +240,10 @@ impl Ask for SetRequest {
     }
 
     fn release_behind(&self, inner: &Arc<Inner>, _intent: Option<String>) {
-        let (request, owner) = (self.clone(), inner.clone());
+        let (request, releaser) = (self.clone(), inner.releaser());
         crate::engine::send_behind(inner, move || {
-            let (inner, request) = (owner.clone(), request.clone());
-            async move {
-                let released = inner.backend.release_set(&request).await?;
-                for (yes, key) in released.into_iter().zip(&request.keys) {
-                    if yes {
-                        inner.waiters.released(&key.wake);
-                    }
-                }
-                Ok(())
-            }
+            let (releaser, request) = (releaser.clone(), request.clone());
+            async move { releaser.release_set(&request).await }
         });
     }
 
@@ -592,8 +584,7 @@ impl Drop for MultiGuard {
                 return;
             }
             // From the manager's own runtime, which outlives the caller's.
-            let release = release_set_logged(self.manager.inner.clone(), request);
-            self.manager.inner.driver.spawn(release);
+            self.manager.inner.releaser().set_in_background(request);
         }
     }
 }
@@ -607,23 +598,5 @@ impl fmt::Debug for MultiGuard {
             .field("remaining", &self.remaining())
             .field("watchdog", &!self.renewals.is_empty())
             .finish_non_exhaustive()
-    }
-}
-
-/// Gives back a whole set; the outcome is only logged.
-async fn release_set_logged(inner: Arc<Inner>, request: SetRequest) {
-    match inner.backend.release_set(&request).await {
-        Ok(released) => {
-            for (yes, key) in released.into_iter().zip(&request.keys) {
-                if yes {
-                    inner.waiters.released(&key.wake);
-                }
-            }
-            tracing::debug!(locks = request.keys.len(), "set released in the background");
-        }
-        Err(error) => tracing::warn!(
-            %error,
-            "background release of a lock set failed; the leases will expire"
-        ),
     }
 }

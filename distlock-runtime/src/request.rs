@@ -1,5 +1,5 @@
 //! Requests: what to lock ([`Single`] lock or a [`KeySet`]) and the options to take it with,
-//! written once for both, resolved against the manager's defaults into a [`Plan`] that the
+//! written once for both, resolved against the manager's defaults into a plan that the
 //! acquire engine carries out.
 
 use std::fmt;

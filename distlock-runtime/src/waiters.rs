@@ -38,7 +38,7 @@ use redis::aio::{PubSubSink, PubSubStream};
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 
-use crate::backend::{Backend, FairRelease, HoldIds};
+use crate::backend::{Backend, FairRelease, HoldIds, SetRequest};
 use crate::driver::Driver;
 use crate::lease::{LeaseState, keep_from};
 
@@ -1041,6 +1041,35 @@ impl Releaser {
     pub(crate) fn in_background(&self, ids: Arc<HoldIds>, keep_until: Option<Instant>) {
         let task = self.clone().logged(ids, keep_until);
         self.driver.spawn(task);
+    }
+
+    /// Sends the release of a whole set from the manager's own runtime, as
+    /// [`in_background`](Self::in_background) does for one hold.
+    pub(crate) fn set_in_background(&self, request: SetRequest) {
+        let task = self.clone().set_logged(request);
+        self.driver.spawn(task);
+    }
+
+    /// Gives back a whole set and wakes the local waiters of each lock it freed.
+    pub(crate) async fn release_set(&self, request: &SetRequest) -> redis::RedisResult<()> {
+        let released = self.backend.release_set(request).await?;
+        for (yes, key) in released.into_iter().zip(&request.keys) {
+            if yes {
+                self.waiters.released(&key.wake);
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives back a whole set; the outcome is only logged.
+    async fn set_logged(self, request: SetRequest) {
+        match self.release_set(&request).await {
+            Ok(()) => tracing::debug!(locks = request.keys.len(), "set released in the background"),
+            Err(error) => tracing::warn!(
+                %error,
+                "background release of a lock set failed; the leases will expire"
+            ),
+        }
     }
 
     /// Releases one hold (keeping the key until `keep_until`), wakes or hands the lock to the
