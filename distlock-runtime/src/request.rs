@@ -298,55 +298,6 @@ impl<T> LockRequest<'_, T> {
         self
     }
 
-    /// Keep the key at least this long after the acquisition, even when released sooner:
-    /// release leaves it to expire at acquisition + `min_hold` (owned by nobody) instead of
-    /// deleting it. For scheduled jobs that must run at most once per period across nodes
-    /// whose clocks differ. It must not be longer than the lease. Not for sets: a set with it
-    /// gets [`LockError::InvalidInput`].
-    pub fn min_hold(mut self, min_hold: Duration) -> Self {
-        self.options.min_hold = Some(min_hold);
-        self
-    }
-
-    /// Take the lock in strict arrival order across every process: waiters queue in Redis
-    /// (one queue per key, next to the lock), and a release grants the lock to the oldest
-    /// waiter in the same step, then tells that waiter, which nobody can overtake meanwhile.
-    ///
-    /// Each queue entry has a short lease of its own, renewed while its waiter waits: a
-    /// waiter whose process dies drops out of the queue within seconds instead of blocking
-    /// it, and one that gives up (its `wait` or `retries` run out, or its future is dropped)
-    /// takes its entry out at once. A lock granted to a waiter that died meanwhile is held for
-    /// two seconds at most. `try_acquire` never queues: it takes the lock only when nobody
-    /// is waiting.
-    ///
-    /// For exclusive locks on one Redis deployment (single node, Sentinel or Cluster), without
-    /// `fencing` or `min_hold`, and not for sets; other requests get
-    /// [`LockError::InvalidInput`]. The order binds fair requests: use `fair` for every
-    /// request on the key, as a request without it may take the lock whenever it is free.
-    pub fn fair(mut self, fair: bool) -> Self {
-        self.options.fair = fair;
-        self
-    }
-
-    /// Whether this lock may pass among this manager's own tasks without a server command
-    /// (default: yes). When a holder releases while another task of the same manager waits
-    /// for the same plain exclusive lock, the lock passes to that task as it is — the key in
-    /// Redis keeps its owner token and lease, and the new holder gets a guard of its own on
-    /// that server hold — up to the manager's [cohort bounds](crate::LockManagerBuilder::cohort),
-    /// then goes back to Redis so that other processes get their turn. Both the releasing and
-    /// the waiting request must allow it. `false`: every hand-over goes through the server.
-    ///
-    /// Only plain exclusive locks pass locally, and only to a waiter that asked for the same
-    /// `ttl` as the holder, while at least half of the lease is left (otherwise the lock goes
-    /// through the server, which gives the waiter a lease of its own). Fenced locks (each
-    /// holder draws a new token from the server), `min_hold`, fair locks, read-write locks,
-    /// semaphores and sets never pass locally, and neither does any lock on RedLock or with
-    /// `sync_replicas`.
-    pub fn cohort(mut self, cohort: bool) -> Self {
-        self.options.no_cohort = !cohort;
-        self
-    }
-
     /// Names this request in metrics and tracing (the `template` label), in place of
     /// `<manual>`. Give the shape of the key, such as `"order:{id}"` or
     /// `"transfer:{from}:{to}"`, never the key itself: one name per kind of lock keeps the
@@ -445,6 +396,57 @@ impl<K> Plan<K> {
     }
 }
 
+/// The options of one lock that a set does not take: a set keeps no `min_hold`, waits in no
+/// fair queue and never passes locally.
+impl LockRequest<'_> {
+    /// Keep the key at least this long after the acquisition, even when released sooner:
+    /// release leaves it to expire at acquisition + `min_hold` (owned by nobody) instead of
+    /// deleting it. For scheduled jobs that must run at most once per period across nodes
+    /// whose clocks differ. It must not be longer than the lease.
+    pub fn min_hold(mut self, min_hold: Duration) -> Self {
+        self.options.min_hold = Some(min_hold);
+        self
+    }
+
+    /// Take the lock in strict arrival order across every process: waiters queue in Redis
+    /// (one queue per key, next to the lock), and a release grants the lock to the oldest
+    /// waiter in the same step, then tells that waiter, which nobody can overtake meanwhile.
+    ///
+    /// Each queue entry has a short lease of its own, renewed while its waiter waits: a
+    /// waiter whose process dies drops out of the queue within seconds instead of blocking
+    /// it, and one that gives up (its `wait` or `retries` run out, or its future is dropped)
+    /// takes its entry out at once. A lock granted to a waiter that died meanwhile is held for
+    /// two seconds at most. `try_acquire` never queues: it takes the lock only when nobody
+    /// is waiting.
+    ///
+    /// For exclusive locks on one Redis deployment (single node, Sentinel or Cluster), without
+    /// `fencing` or `min_hold`; other requests get [`LockError::InvalidInput`]. The order binds fair requests: use `fair` for every
+    /// request on the key, as a request without it may take the lock whenever it is free.
+    pub fn fair(mut self, fair: bool) -> Self {
+        self.options.fair = fair;
+        self
+    }
+
+    /// Whether this lock may pass among this manager's own tasks without a server command
+    /// (default: yes). When a holder releases while another task of the same manager waits
+    /// for the same plain exclusive lock, the lock passes to that task as it is — the key in
+    /// Redis keeps its owner token and lease, and the new holder gets a guard of its own on
+    /// that server hold — up to the manager's [cohort bounds](crate::LockManagerBuilder::cohort),
+    /// then goes back to Redis so that other processes get their turn. Both the releasing and
+    /// the waiting request must allow it. `false`: every hand-over goes through the server.
+    ///
+    /// Only plain exclusive locks pass locally, and only to a waiter that asked for the same
+    /// `ttl` as the holder, while at least half of the lease is left (otherwise the lock goes
+    /// through the server, which gives the waiter a lease of its own). Fenced locks (each
+    /// holder draws a new token from the server), `min_hold`, fair locks, read-write locks,
+    /// semaphores and sets never pass locally, and neither does any lock on RedLock or with
+    /// `sync_replicas`.
+    pub fn cohort(mut self, cohort: bool) -> Self {
+        self.options.no_cohort = !cohort;
+        self
+    }
+}
+
 impl LockRequest<'_> {
     /// The plan of a request for one lock: the common checks, then those of its kind.
     pub(crate) fn into_plan(mut self) -> Result<Plan<Keys>, LockError> {
@@ -539,16 +541,6 @@ impl MultiLockRequest<'_> {
                 "keys",
                 "`lock_all` needs at least one key",
             ));
-        }
-        let refused = if self.options.fair {
-            Some(("fair", "a set of locks is not taken in a fair queue"))
-        } else if self.options.min_hold.is_some() {
-            Some(("min_hold", "a set of locks does not keep a `min_hold`"))
-        } else {
-            None
-        };
-        if let Some((what, reason)) = refused {
-            return Err(LockError::invalid(what, reason));
         }
         // A set never passes locally.
         self.options.no_cohort = true;
