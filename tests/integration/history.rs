@@ -191,6 +191,21 @@ impl History {
 
     /// `guard` was just granted: check it against everyone inside.
     fn enter(self: &Arc<Self>, who: &str, key: &str, kind: Kind, guard: &LockGuard) -> Entry {
+        self.enter_asked(who, key, kind, guard, None)
+    }
+
+    /// `enter`, for a request that began at `asked`, when more than the acquisition stands
+    /// between the two (a campaign announces its leader after taking the lock): the fencing
+    /// check compares with the holds that left before the request began, not before its
+    /// guard's `waited()`.
+    fn enter_asked(
+        self: &Arc<Self>,
+        who: &str,
+        key: &str,
+        kind: Kind,
+        guard: &LockGuard,
+        asked: Option<Instant>,
+    ) -> Entry {
         let now = Instant::now();
         let valid_until = now + guard.remaining();
         let owner = guard.token().to_owned();
@@ -297,7 +312,13 @@ impl History {
             self.violation(format!("overlap: {who}: {conflict}"));
         }
         if let Some(fence) = fence {
-            self.fenced(who, key, fence, now - guard.waited());
+            let began = now - guard.waited();
+            self.fenced(
+                who,
+                key,
+                fence,
+                asked.map_or(began, |asked| asked.min(began)),
+            );
         }
         Entry {
             history: self.clone(),
@@ -1088,9 +1109,8 @@ async fn elect(
         _ => return,
     };
     let key = format!("election:{}", plan.key);
-    let entry = world
-        .history
-        .enter(who, &key, Kind::Exclusive, leadership.guard());
+    let guard = leadership.guard();
+    let entry = (world.history).enter_asked(who, &key, Kind::Exclusive, guard, Some(asked));
     let term = leadership.term();
     world.history.term(who, &key, term, asked);
     work(leadership.guard(), &entry, rng).await;
