@@ -121,6 +121,12 @@ MUTATIONS = [
     ("lease: a failed renewal is not marked lost", "leases",
      [(RT + "watchdog.rs", "                        lease.state.mark_lost();\n                        shared.counters.lost",
        "                        shared.counters.lost")]),
+    # --- Rust: connections on a real network
+    ("link.rs/pool.rs: a timed-out connection is reused", "partitions",
+     [(RT + "backend/link.rs", "if !(error.is_unrecoverable_error() || error.is_timeout()) {",
+       "if !error.is_unrecoverable_error() {"),
+      (RT + "backend/pool.rs", "if !(error.is_timeout() || error.is_unrecoverable_error()) {",
+       "if !error.is_unrecoverable_error() {")]),
 ]
 
 

@@ -586,6 +586,11 @@ impl LockManagerBuilder {
     /// It also reads every master's `maxmemory-policy` (see
     /// [`require_noeviction`](Self::require_noeviction)), and fails with
     /// [`LockError::Config`] naming the command when the user lacks a permission it needs.
+    ///
+    /// A server that cannot be reached is a [`LockError::Config`] naming it (the address
+    /// refuses connections, or is not a Redis server), except a server that does not answer
+    /// in time: that is [`LockError::Redis`], as for any call on a network that drops packets,
+    /// and building again later may succeed.
     pub async fn build(self) -> Result<LockManager, LockError> {
         if self.topology.urls().is_empty() {
             return Err(LockError::Config(
@@ -629,7 +634,12 @@ impl LockManagerBuilder {
                 .sync_replicas
                 .map(|(replicas, timeout)| (replicas, timeout.min(MAX_TTL))),
             restart_delay: self.restart_delay.unwrap_or(self.defaults.ttl).min(MAX_TTL),
-            security: Arc::new(self.security.clone()),
+            security: Arc::new(Security {
+                socket: Some(crate::security::socket_timeouts(
+                    self.response_timeout.min(MAX_TTL),
+                )),
+                ..self.security.clone()
+            }),
             tag: tag.clone(),
             client_name: format!("{client_name}:{tag}").into(),
         };
@@ -811,7 +821,9 @@ pub(crate) fn check_timeout(timeout: Duration) -> Result<(), String> {
 /// A connection failure at `build`, as a [`LockError::Config`]; a missing permission says so
 /// (the server's message names the command).
 fn connect_error(target: &str, error: redis::RedisError) -> LockError {
-    if backend::denied(&error) {
+    if error.is_timeout() {
+        LockError::redis("", error)
+    } else if backend::denied(&error) {
         LockError::Config(format!(
             "the Redis user at {target} lacks a permission distlock needs ({error}); see the \
              README's ACL section for the rule to grant"

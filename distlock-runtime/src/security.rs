@@ -1,8 +1,10 @@
 //! Credentials and TLS material, and the clients that use them. Nothing here is ever printed.
 
 use std::fmt;
+use std::time::Duration;
 
 use redis::cluster::ClusterClientBuilder;
+use redis::io::tcp::TcpSettings;
 use redis::{Client, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisResult};
 
 use crate::LockError;
@@ -14,6 +16,45 @@ pub(crate) struct Security {
     pub(crate) credentials: Option<Credentials>,
     /// Used by every `rediss://` connection (Sentinels included).
     pub(crate) tls: Option<Tls>,
+    /// TCP keepalive and user timeout of every connection (Sentinels included): see
+    /// [`socket_timeouts`].
+    pub(crate) socket: Option<SocketTimeouts>,
+}
+
+/// How long the kernel keeps a connection whose peer went silent (a partition drops packets
+/// without a word; a half-open socket would otherwise wait out retransmits backing off to
+/// two minutes, and an idle one would never notice).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SocketTimeouts {
+    /// Idle this long, a connection sends keepalive probes, one a second.
+    pub(crate) idle: Duration,
+    /// Data (a request, or a probe) unacknowledged this long ends the connection (Linux's
+    /// `TCP_USER_TIMEOUT`; elsewhere, the keepalive probes' count does it).
+    pub(crate) unacknowledged: Duration,
+}
+
+/// The socket timeouts for a manager whose answers may take `response_timeout`: the kernel
+/// gives up on a silent peer within a few seconds, and never before an answer could be late.
+pub(crate) fn socket_timeouts(response_timeout: Duration) -> SocketTimeouts {
+    SocketTimeouts {
+        idle: Duration::from_secs(5),
+        unacknowledged: (response_timeout * 2)
+            .clamp(Duration::from_secs(2), Duration::from_secs(30)),
+    }
+}
+
+impl SocketTimeouts {
+    /// `settings` with keepalive probes and the user timeout on.
+    fn apply(self, settings: TcpSettings) -> TcpSettings {
+        const INTERVAL: Duration = Duration::from_secs(1);
+        let probes = (self.unacknowledged.as_secs() as u32).max(1);
+        let keepalive = socket2::TcpKeepalive::new().with_time(self.idle);
+        #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
+        let settings = settings.set_user_timeout(self.unacknowledged);
+        #[cfg(not(any(target_os = "windows", target_os = "openbsd", target_os = "haiku")))]
+        let keepalive = keepalive.with_interval(INTERVAL).with_retries(probes);
+        settings.set_keepalive(keepalive)
+    }
 }
 
 /// An ACL user (or `None`: the `default` user) and its password.
@@ -71,7 +112,11 @@ impl Security {
     }
 
     /// A client for a Sentinel at `info`: its URL's credentials, the configured certificates.
-    pub(crate) fn tls_client(&self, info: ConnectionInfo) -> RedisResult<Client> {
+    pub(crate) fn tls_client(&self, mut info: ConnectionInfo) -> RedisResult<Client> {
+        if let Some(socket) = self.socket {
+            let settings = socket.apply(info.tcp_settings().clone());
+            info = info.set_tcp_settings(settings);
+        }
         match (&self.tls, info.addr()) {
             #[cfg(feature = "tls")]
             (Some(tls), ConnectionAddr::TcpTls { .. }) => {
@@ -83,6 +128,9 @@ impl Security {
 
     /// `builder` with the configured credentials and certificates.
     pub(crate) fn cluster(&self, mut builder: ClusterClientBuilder) -> ClusterClientBuilder {
+        if let Some(socket) = self.socket {
+            builder = builder.tcp_settings(socket.apply(TcpSettings::default()));
+        }
         if let Some(Credentials { username, password }) = &self.credentials {
             builder = builder.password(password);
             if let Some(username) = username {

@@ -41,6 +41,7 @@ mod liveness;
 mod metrics;
 mod multikey;
 mod nesting;
+mod partitions;
 mod redlock;
 mod replication;
 mod secrets;

@@ -34,6 +34,8 @@ pub(super) struct Link {
 struct LinkState {
     client: Client,
     config: AsyncConnectionConfig,
+    /// How long a request may take, a wait for the connection's opening included.
+    response_timeout: Duration,
     /// What each connection calls itself on the server (`CLIENT SETNAME`).
     name: Arc<str>,
     lost: Lost,
@@ -59,6 +61,7 @@ impl Link {
     pub(super) fn new(
         client: Client,
         config: AsyncConnectionConfig,
+        response_timeout: Duration,
         name: Arc<str>,
         lost: Lost,
     ) -> Self {
@@ -66,6 +69,7 @@ impl Link {
             inner: Arc::new(LinkState {
                 client,
                 config,
+                response_timeout,
                 name,
                 lost,
                 state: Mutex::new(State::Closed),
@@ -76,7 +80,13 @@ impl Link {
     /// Sends one command and returns the server's answer (errors included as values, as the
     /// connection gives them). A connection that broke is opened again by the next request.
     pub(super) async fn send(&self, cmd: &Cmd) -> RedisResult<Value> {
-        let (mut conn, generation) = self.conn().await?;
+        let Some((mut conn, generation)) = self.open_now() else {
+            // Boxed: rare, and its state would otherwise weigh on every request's future.
+            let send = |mut conn: MultiplexedConnection| async move {
+                conn.send_packed_command(cmd).await
+            };
+            return Box::pin(self.after_opening(send)).await;
+        };
         let answer = conn.send_packed_command(cmd).await;
         self.check(&answer, generation);
         answer
@@ -89,10 +99,39 @@ impl Link {
         offset: usize,
         count: usize,
     ) -> RedisResult<Vec<Value>> {
-        let (mut conn, generation) = self.conn().await?;
+        let Some((mut conn, generation)) = self.open_now() else {
+            let send = |mut conn: MultiplexedConnection| async move {
+                conn.send_packed_commands(pipeline, offset, count).await
+            };
+            return Box::pin(self.after_opening(send)).await;
+        };
         let answers = conn.send_packed_commands(pipeline, offset, count).await;
         self.check(&answers, generation);
         answers
+    }
+
+    /// Waits for `opening`, then sends with `send`: all within one response timeout, as a
+    /// request on an open connection. If the time runs out after the opening, the connection
+    /// is closed as after any response timeout (it may be half-open); the opening itself
+    /// goes on for whoever comes next.
+    async fn after_opening<T, F>(
+        &self,
+        send: impl FnOnce(MultiplexedConnection) -> F,
+    ) -> RedisResult<T>
+    where
+        F: Future<Output = RedisResult<T>>,
+    {
+        let limit = self.inner.response_timeout;
+        let deadline = tokio::time::Instant::now() + limit;
+        let (conn, generation) = tokio::time::timeout_at(deadline, self.opened())
+            .await
+            .map_err(|_| timed_out(limit))??;
+        let answer = match tokio::time::timeout_at(deadline, send(conn)).await {
+            Ok(answer) => answer,
+            Err(_) => Err(timed_out(limit)),
+        };
+        self.check(&answer, generation);
+        answer
     }
 
     /// The database the connection selects.
@@ -104,8 +143,16 @@ impl Link {
             .db()
     }
 
-    /// The open connection, or the one being opened (opening it if none is).
-    async fn conn(&self) -> RedisResult<(MultiplexedConnection, u64)> {
+    /// The open connection, if there is one.
+    fn open_now(&self) -> Option<(MultiplexedConnection, u64)> {
+        match &*self.state() {
+            State::Open { conn, generation } => Some((conn.clone(), *generation)),
+            _ => None,
+        }
+    }
+
+    /// The open connection, or else the one being opened (opening it if none is), once open.
+    async fn opened(&self) -> RedisResult<(MultiplexedConnection, u64)> {
         let opening = {
             let mut state = self.state();
             match &*state {
@@ -191,21 +238,38 @@ impl Link {
         .shared()
     }
 
-    /// After an answer: a connection that can no longer be trusted (dropped, or out of step
-    /// after an error) is closed, unless a newer one already replaced it.
+    /// After an answer: a connection that can no longer be trusted (dropped, out of step
+    /// after an error, or silent past the response timeout: perhaps half-open behind a
+    /// partition) is closed, unless a newer one already replaced it.
     fn check<T>(&self, answer: &RedisResult<T>, generation: u64) {
         let Err(error) = answer else {
             return;
         };
-        if !error.is_unrecoverable_error() {
+        if !(error.is_unrecoverable_error() || error.is_timeout()) {
             return;
         }
         close(&self.inner, generation);
     }
 
+    /// Closes the open connection, whichever it is: the next request opens a new one.
+    pub(super) fn close(&self) {
+        let mut state = self.state();
+        if matches!(&*state, State::Open { .. }) {
+            *state = State::Closed;
+        }
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// The error of a request that had no answer within `limit`.
+fn timed_out(limit: Duration) -> redis::RedisError {
+    redis::RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("no answer from redis within {limit:?}"),
+    ))
 }
 
 /// Closes the connection of `generation`, if it is still the open one.

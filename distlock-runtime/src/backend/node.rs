@@ -101,7 +101,8 @@ impl Node {
         })
     }
 
-    /// Passes `result` through. An error that may mean a failover makes a Sentinel-managed
+    /// Passes `result` through. A connection that timed out or broke is dropped (the next
+    /// request opens a new one); an error that may mean a failover makes a Sentinel-managed
     /// node look for the current master in the background; a lost connection makes a node
     /// suspect of having restarted until its run_id is checked.
     pub(super) fn watch<T>(&self, result: RedisResult<T>) -> RedisResult<T> {
@@ -110,6 +111,7 @@ impl Node {
             {
                 self.pool.lock_identity().suspect = true;
             }
+            self.pool.failed(error);
             self.route.failed(&self.pool, error);
         }
         result
@@ -322,21 +324,17 @@ impl Node {
             return Ok(conn);
         }
         let conn = self.route.open(&self.pool).await?;
-        let (conn, first) = {
-            let mut conns = self.pool.lock_conns();
-            let first = !conns.contains_key(&id);
-            (conns.entry(id).or_insert(conn).clone(), first)
-        };
-        if first {
+        let conn = self.pool.lock_conns().entry(id).or_insert(conn).clone();
+        // Spawned with no lock held: on a runtime already shutting down, the task is dropped
+        // at once, and forgets what was just inserted.
+        if self.pool.forget_on_shutdown(&runtime, id) {
             // A runtime's first connection may reach a server that restarted since the last
             // look, which no connection of this manager saw end: a RedLock master is checked
-            // again before it counts towards a quorum.
+            // again before it counts towards a quorum. (A connection that replaces a dropped
+            // one follows an error, which made the server suspect already.) When this runtime
+            // shuts down it drops its tasks, the watching one among them, and the runtime's
+            // connections go with it (each holds resources of that runtime).
             self.pool.lock_identity().suspect = true;
-            // When this runtime shuts down it drops its tasks, this one among them, and the
-            // runtime's connections go with it (each holds resources of that runtime). Spawned
-            // with no lock held: on a runtime already shutting down, the task is dropped at
-            // once, and forgets what was just inserted.
-            self.pool.forget_on_shutdown(&runtime, id);
         }
         Ok(conn)
     }

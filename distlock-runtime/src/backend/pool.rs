@@ -4,7 +4,7 @@
 //! The node's route (see `route.rs`) opens the connections; the node (see `node.rs`) runs the
 //! operations on them.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockWriteGuard, Weak};
 use std::time::Duration;
@@ -59,6 +59,11 @@ pub(super) struct Pool {
     pub(super) sync_replicas: Option<(u32, Duration)>,
     /// The connection of each runtime that used the endpoint.
     pub(super) by_runtime: RwLock<IdMap<runtime::Id, Conn>>,
+    /// The runtimes whose shutdown is watched (see [`forget_on_shutdown`]): a runtime whose
+    /// connection was replaced is watched once, not once per connection.
+    ///
+    /// [`forget_on_shutdown`]: Self::forget_on_shutdown
+    pub(super) watched: Mutex<HashSet<runtime::Id>>,
     /// With `sync_replicas`: idle connections of each runtime for a grant and its WAIT, which
     /// blocks the connection it runs on (and must run on the one that wrote the grant).
     pub(super) replicated: Mutex<HashMap<runtime::Id, Vec<MultiplexedConnection>>>,
@@ -114,6 +119,7 @@ impl Pool {
             connect_timeout: options.connect_timeout,
             sync_replicas: options.sync_replicas,
             by_runtime: RwLock::new(IdMap::default()),
+            watched: Mutex::new(HashSet::new()),
             replicated: Mutex::new(HashMap::new()),
             delete: Mutex::new(NativeDelete::Script),
             security: options.security,
@@ -150,6 +156,7 @@ impl Pool {
         Link::new(
             self.client(),
             self.config.clone(),
+            self.response_timeout,
             self.client_name.clone(),
             lost,
         )
@@ -167,8 +174,21 @@ impl Pool {
     }
 
     /// Spawns on `runtime` (whose id is `id`) a task that never ends and, when the runtime
-    /// drops it, forgets the runtime's connections.
-    pub(super) fn forget_on_shutdown(self: &Arc<Self>, runtime: &runtime::Handle, id: runtime::Id) {
+    /// drops it, forgets the runtime's connections; once per runtime. Returns whether this
+    /// was the runtime's first connection.
+    pub(super) fn forget_on_shutdown(
+        self: &Arc<Self>,
+        runtime: &runtime::Handle,
+        id: runtime::Id,
+    ) -> bool {
+        if !self
+            .watched
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id)
+        {
+            return false;
+        }
         let forget = Forget {
             pool: Arc::downgrade(self),
             id,
@@ -177,6 +197,27 @@ impl Pool {
             let _forget = forget;
             std::future::pending::<()>().await;
         }));
+        true
+    }
+
+    /// After a request on the current runtime's connection failed: a server's connection
+    /// whose answer timed out, or that broke, is closed, so that the next request opens a
+    /// new one instead of queueing behind a socket that may be half-open (a partition drops
+    /// packets without a word, and the kernel's retransmits back off for minutes). Requests
+    /// already on the old connection finish on it, or time out. A Cluster's connection
+    /// keeps one connection per node and replaces a node's when it breaks: the socket
+    /// options (see `security::socket_timeouts`) make a silent node's break within seconds,
+    /// without disturbing the other nodes' connections.
+    pub(super) fn failed(&self, error: &RedisError) {
+        if !(error.is_timeout() || error.is_unrecoverable_error()) {
+            return;
+        }
+        let Ok(runtime) = runtime::Handle::try_current() else {
+            return;
+        };
+        if let Some(Conn::Server(link)) = self.known_conn(runtime.id()) {
+            link.close();
+        }
     }
 
     /// Keeps a connection that answered for the next grant (a few per runtime at most); one
@@ -214,6 +255,10 @@ impl Drop for Forget {
         };
         pool.by_runtime
             .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.id);
+        pool.watched
+            .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.id);
         pool.replicated

@@ -22,6 +22,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+mod network;
+
+use network::Host;
+pub use network::{Network, Path};
+
 /// The environment variable that names the `redis-server` binary to use.
 pub const SERVER_ENV: &str = "DISTLOCK_REDIS_SERVER";
 
@@ -36,8 +41,11 @@ pub struct RedisServer {
     extra: Vec<String>,
     /// Required of clients (`requirepass`); the harness's own commands authenticate.
     password: Option<Password>,
-    /// Runs as a Sentinel monitoring this (name, master port, quorum).
-    sentinel: Option<(String, u16, u32)>,
+    /// Runs as a Sentinel monitoring this master.
+    sentinel: Option<Monitor>,
+    /// Runs inside a network namespace, reached over a path of its own (see [`Network`]);
+    /// `None`: on loopback.
+    host: Option<Host>,
     /// Also listens with TLS on this port; [`url`](Self::url) points there.
     tls_port: Option<u16>,
     child: Mutex<Option<Child>>,
@@ -56,6 +64,7 @@ impl RedisServer {
             vec!["--requirepass".into(), password.into()],
             None,
             Some(Password(password.to_owned())),
+            None,
         )
     }
 
@@ -126,11 +135,15 @@ impl RedisServer {
     /// Starts a replica of `master` and waits until the master sees it online. A restart
     /// keeps it a replica of the same master; [`promote`](Self::promote) makes it a master.
     pub fn start_replica_of(master: &RedisServer) -> io::Result<Self> {
-        let replica = Self::start_with(vec![
-            "--replicaof".into(),
-            "127.0.0.1".into(),
-            master.port.to_string(),
-        ])?;
+        let args = vec!["--replicaof".into(), master.addr(), master.port.to_string()];
+        let replica = Self::start_as(args, None, None, master.network())?;
+        replica.wait_synced(master)?;
+        Ok(replica)
+    }
+
+    /// Waits until this replica is in sync with `master` and acknowledges its writes.
+    fn wait_synced(&self, master: &RedisServer) -> io::Result<()> {
+        let replica = self;
         let started = Instant::now();
         let online = format!("port={},state=online", replica.port);
         while !(replica
@@ -163,7 +176,7 @@ impl RedisServer {
                 ));
             }
         }
-        Ok(replica)
+        Ok(())
     }
 
     /// Makes a replica a master (`REPLICAOF NO ONE`), as a failover does.
@@ -189,7 +202,7 @@ impl RedisServer {
         masters: usize,
         replicas: usize,
     ) -> io::Result<Vec<RedisServer>> {
-        Self::cluster_of(masters, replicas, None)
+        Self::cluster_of(masters, replicas, None, None)
     }
 
     /// A cluster of `masters` masters whose nodes talk TLS to clients and to each other
@@ -200,7 +213,7 @@ impl RedisServer {
         masters: usize,
         certs: &TestCertificates,
     ) -> io::Result<Vec<RedisServer>> {
-        Self::cluster_of(masters, 0, Some(certs))
+        Self::cluster_of(masters, 0, Some(certs), None)
     }
 
     /// A cluster of fresh nodes: a few times over, as one may not come up (two nodes on one
@@ -210,10 +223,11 @@ impl RedisServer {
         masters: usize,
         replicas: usize,
         certs: Option<&TestCertificates>,
+        network: Option<&Arc<Network>>,
     ) -> io::Result<Vec<RedisServer>> {
         let mut last_error = None;
         for _ in 0..3 {
-            match Self::try_cluster_of(masters, replicas, certs) {
+            match Self::try_cluster_of(masters, replicas, certs, network) {
                 Ok(nodes) => return Ok(nodes),
                 Err(error) => last_error = Some(error),
             }
@@ -225,6 +239,7 @@ impl RedisServer {
         masters: usize,
         replicas: usize,
         certs: Option<&TestCertificates>,
+        network: Option<&Arc<Network>>,
     ) -> io::Result<Vec<RedisServer>> {
         let cluster_args = [
             "--cluster-enabled",
@@ -237,7 +252,7 @@ impl RedisServer {
         .map(str::to_owned);
         let nodes = (0..masters * (1 + replicas))
             .map(|_| match certs {
-                None => Self::start_with(cluster_args.to_vec()),
+                None => Self::start_as(cluster_args.to_vec(), None, None, network),
                 Some(certs) => {
                     let mut args = cluster_args.to_vec();
                     args.extend(["--tls-cluster", "yes"].map(str::to_owned));
@@ -251,7 +266,10 @@ impl RedisServer {
         } else {
             PathBuf::from("redis-cli")
         };
-        let mut command = Command::new(cli);
+        let mut command = match network {
+            Some(network) => network.command(&cli),
+            None => Command::new(cli),
+        };
         if let Some(certs) = certs {
             command
                 .arg("--tls")
@@ -264,7 +282,7 @@ impl RedisServer {
             .args(
                 nodes
                     .iter()
-                    .map(|n| format!("127.0.0.1:{}", n.tls_port.unwrap_or(n.port))),
+                    .map(|n| format!("{}:{}", n.addr(), n.tls_port.unwrap_or(n.port))),
             )
             .args(["--cluster-replicas", &replicas.to_string()])
             .arg("--cluster-yes")
@@ -318,8 +336,9 @@ impl RedisServer {
     pub fn start_sentinel(master: &RedisServer, name: &str, quorum: u32) -> io::Result<Self> {
         Self::start_as(
             Vec::new(),
-            Some((name.to_owned(), master.port, quorum)),
+            Some(Monitor::of(master, master.port, name, quorum)),
             master.password.clone(),
+            master.network(),
         )
     }
 
@@ -347,21 +366,25 @@ impl RedisServer {
         ];
         let mut sentinel = Self::start_as(
             lines,
-            Some((name.to_owned(), master_port, quorum)),
+            Some(Monitor::of(master, master_port, name, quorum)),
             master.password.clone(),
+            None,
         )?;
         sentinel.tls_port = Some(tls_port);
         Ok(sentinel)
     }
 
     fn start_with(extra: Vec<String>) -> io::Result<Self> {
-        Self::start_as(extra, None, None)
+        Self::start_as(extra, None, None, None)
     }
 
+    /// Starts a server with `extra` arguments, as a Sentinel of `sentinel`, requiring
+    /// `password`; inside `network` (on a path of its own) or on loopback.
     fn start_as(
         extra: Vec<String>,
-        sentinel: Option<(String, u16, u32)>,
+        sentinel: Option<Monitor>,
         password: Option<Password>,
+        network: Option<&Arc<Network>>,
     ) -> io::Result<Self> {
         let binary = find_binary()?;
         let mut last_error = None;
@@ -376,6 +399,7 @@ impl RedisServer {
                 extra: extra.clone(),
                 password: password.clone(),
                 sentinel: sentinel.clone(),
+                host: network.map(|network| network.host()).transpose()?,
                 tls_port: None,
                 child: Mutex::new(None),
             };
@@ -403,14 +427,29 @@ impl RedisServer {
     /// `redis://127.0.0.1:<port>`, or `redis://:<password>@127.0.0.1:<port>` for a server
     /// started with a password, or `rediss://127.0.0.1:<tls port>` for one
     /// [started with TLS](Self::start_tls).
+    ///
+    /// A server started in a [`Network`] is reached at its own path's address instead.
     pub fn url(&self) -> String {
+        let addr = self.addr();
         if let Some(tls_port) = self.tls_port {
-            return format!("rediss://127.0.0.1:{tls_port}");
+            return format!("rediss://{addr}:{tls_port}");
         }
         match &self.password {
-            Some(Password(password)) => format!("redis://:{password}@127.0.0.1:{}", self.port),
-            None => format!("redis://127.0.0.1:{}", self.port),
+            Some(Password(password)) => format!("redis://:{password}@{addr}:{}", self.port),
+            None => format!("redis://{addr}:{}", self.port),
         }
+    }
+
+    /// The address clients reach the server at: `127.0.0.1`, or its path's address.
+    fn addr(&self) -> String {
+        self.host
+            .as_ref()
+            .map_or_else(|| "127.0.0.1".to_owned(), |host| host.ip.to_string())
+    }
+
+    /// The network the server runs in, if any.
+    fn network(&self) -> Option<&Arc<Network>> {
+        self.host.as_ref().map(|host| &host.network)
     }
 
     /// The loopback port the server listens on.
@@ -470,7 +509,14 @@ impl RedisServer {
 
     /// A connection for the harness's own commands, authenticated if the server needs it.
     fn connect(&self) -> io::Result<TcpStream> {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+        let mut stream = match &self.host {
+            // The control path, which is never cut.
+            Some(host) => TcpStream::connect_timeout(
+                &(host.network.control(), self.port).into(),
+                Duration::from_secs(5),
+            )?,
+            None => TcpStream::connect(("127.0.0.1", self.port))?,
+        };
         stream.set_read_timeout(Some(Duration::from_secs(5)))?;
         if let Some(Password(password)) = &self.password {
             stream.write_all(encode(&["AUTH", password]).as_bytes())?;
@@ -484,19 +530,37 @@ impl RedisServer {
 
     fn launch(&self) -> io::Result<()> {
         let port = self.port.to_string();
-        let mut command = Command::new(&self.binary);
-        if let Some((name, master, quorum)) = &self.sentinel {
+        let mut command = match &self.host {
+            Some(host) => host.network.command(&self.binary),
+            None => Command::new(&self.binary),
+        };
+        // Inside a namespace, every address of it: the server's own path, the control path,
+        // and any further path to it.
+        let bind = if self.host.is_some() {
+            "0.0.0.0"
+        } else {
+            "127.0.0.1"
+        };
+        let announce = self.host.as_ref().map(|host| host.ip.to_string());
+        if let Some(Monitor {
+            name,
+            addr,
+            port: master,
+            quorum,
+        }) = &self.sentinel
+        {
             // A Sentinel takes its configuration file first and rewrites it as it learns.
             let config = self.dir.join("sentinel.conf");
             std::fs::write(
                 &config,
                 format!(
-                    "port {port}\nbind 127.0.0.1\ndir {dir}\n\
-                     sentinel monitor {name} 127.0.0.1 {master} {quorum}\n\
+                    "port {port}\nbind {bind}\ndir {dir}\n{announce}\
+                     sentinel monitor {name} {addr} {master} {quorum}\n\
                      sentinel down-after-milliseconds {name} 300\n\
                      sentinel failover-timeout {name} 2000\n\
                      sentinel parallel-syncs {name} 1\n{auth}{extra}\n",
                     dir = self.dir.display(),
+                    announce = announce.map_or_else(String::new, |ip| format!("sentinel announce-ip {ip}\n")),
                     // Extra configuration lines (TLS).
                     extra = self.extra.join("\n"),
                     auth = self.password.as_ref().map_or_else(String::new, |Password(p)| format!(
@@ -511,7 +575,7 @@ impl RedisServer {
                     "--port",
                     &port,
                     "--bind",
-                    "127.0.0.1",
+                    bind,
                     "--save",
                     "",
                     "--appendonly",
@@ -523,6 +587,12 @@ impl RedisServer {
                 // Replicas sync at once instead of after the default 5 s delay.
                 .args(["--repl-diskless-sync-delay", "0"])
                 .args(&self.extra);
+            if let Some(ip) = &announce {
+                command.args(["--replica-announce-ip", ip]);
+                if self.extra.iter().any(|arg| arg == "--cluster-enabled") {
+                    command.args(["--cluster-announce-ip", ip]);
+                }
+            }
         }
         let mut child = command
             .stdin(Stdio::null())
@@ -695,6 +765,27 @@ impl TestCertificates {
 impl Drop for TestCertificates {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The master a Sentinel monitors.
+#[derive(Debug, Clone)]
+struct Monitor {
+    name: String,
+    /// Its address and port as the Sentinel reaches it (and names it to clients).
+    addr: String,
+    port: u16,
+    quorum: u32,
+}
+
+impl Monitor {
+    fn of(master: &RedisServer, port: u16, name: &str, quorum: u32) -> Self {
+        Self {
+            name: name.to_owned(),
+            addr: master.addr(),
+            port,
+            quorum,
+        }
     }
 }
 
