@@ -184,6 +184,7 @@ fn grant_set(
         acquired,
         renewals,
         held,
+        metrics: plan.metrics,
     }
 }
 
@@ -277,6 +278,7 @@ pub struct MultiGuard {
     renewals: Vec<Registration>,
     held: Vec<Arc<Held>>,
     listing: Listing,
+    metrics: crate::metrics::Labels,
 }
 
 /// Where a set's locks stand with its manager (as a `LockGuard`'s hold does).
@@ -592,6 +594,11 @@ impl MultiGuard {
 
 impl Drop for MultiGuard {
     fn drop(&mut self) {
+        if !self.fresh.is_empty() {
+            // A set of nested holds only is counted by those holds, under the set's label.
+            let lost = self.lease.is_lost() && !self.given_back_by_shutdown();
+            crate::metrics::hold_ended(self.metrics, self.acquired.sent, lost);
+        }
         self.renewals.clear();
         if self.unlist() && !self.fresh.is_empty() {
             let (request, fresh) = self.last_holds();
