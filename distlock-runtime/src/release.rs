@@ -52,3 +52,28 @@ pub(crate) fn send_again(error: &redis::RedisError, retried: bool) -> bool {
 pub(crate) fn found_lost(retried: bool, lease: &LeaseState) -> bool {
     !retried || lease.is_lost()
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[test]
+    fn a_lost_reply_is_sent_again_once() {
+        let lost_reply = redis::RedisError::from(std::io::Error::other("reset"));
+        assert!(send_again(&lost_reply, false));
+        assert!(!send_again(&lost_reply, true));
+        let refused = redis::RedisError::from((redis::ErrorKind::Client, "refused"));
+        assert!(!send_again(&refused, false));
+    }
+
+    #[test]
+    fn a_lock_found_gone_is_lost_unless_a_resent_release_finds_it_within_its_lease() {
+        let lease = LeaseState::new(Instant::now(), Duration::from_secs(60));
+        assert!(found_lost(false, &lease));
+        assert!(!found_lost(true, &lease));
+        lease.mark_lost();
+        assert!(found_lost(true, &lease));
+    }
+}
