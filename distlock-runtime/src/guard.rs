@@ -10,6 +10,7 @@ use crate::context::Held;
 use crate::holds::Live;
 use crate::lease::{LeaseState, check_ttl, keep_from};
 use crate::manager::{Inner, LockManager};
+use crate::release::{self, Resend, Unanswered};
 use crate::waiters::{Handed, LocalPass, Next, Offer, Passable};
 use crate::watchdog::Registration;
 
@@ -278,24 +279,24 @@ impl LockGuard {
         }
         let keep_until = self.parts.held.keep_until();
         // Sends the release again from the background if this future is dropped midway.
-        let mut unanswered = Unanswered(Some(&self));
+        let mut unanswered = Unanswered::armed(&self);
         if self.parts.held.ids.fair.is_some() {
             // Boxed, as the other paths off the plain one: their state stays out of this
             // future, which the caller's task carries.
             let outcome = Box::pin(self.release_fair()).await;
-            unanswered.0 = None;
+            unanswered.answered();
             return outcome;
         }
         let retried = match self.release_locally(keep_until).await? {
             Locally::Done(outcome) => {
-                unanswered.0 = None;
+                unanswered.answered();
                 return outcome;
             }
             Locally::Unsettled => true,
             Locally::NotHere => false,
         };
         let outcome = self.release_on_server(keep_until, retried).await;
-        unanswered.0 = None;
+        unanswered.answered();
         outcome
     }
 
@@ -356,13 +357,12 @@ impl LockGuard {
                     tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "released");
                     Ok(())
                 }
-                // The first attempt may have released it before its reply was lost.
-                Ok(false) if retried && !self.parts.lease.is_lost() => Ok(()),
+                Ok(false) if !release::found_lost(retried, &self.parts.lease) => Ok(()),
                 Ok(false) => {
                     self.parts.lease.mark_lost();
                     Err(self.lost_error())
                 }
-                Err(error) if !retried && error.is_io_error() => {
+                Err(error) if release::send_again(&error, retried) => {
                     retried = true;
                     continue;
                 }
@@ -394,15 +394,14 @@ impl LockGuard {
                     tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "released");
                     return Ok(());
                 }
-                // The first attempt may have released it before its reply was lost.
-                Ok(FairRelease::NotHeld) if retried && !self.parts.lease.is_lost() => {
+                Ok(FairRelease::NotHeld) if !release::found_lost(retried, &self.parts.lease) => {
                     return Ok(());
                 }
                 Ok(FairRelease::NotHeld) => {
                     self.parts.lease.mark_lost();
                     return Err(self.lost_error());
                 }
-                Err(error) if !retried && error.is_io_error() => retried = true,
+                Err(error) if release::send_again(&error, retried) => retried = true,
                 Err(error) => return Err(LockError::redis(self.key(), error)),
             }
         }
@@ -562,16 +561,10 @@ impl Drop for LockGuard {
     }
 }
 
-/// A release sent but not yet answered; dropped armed, it sends the release again from the
-/// manager's runtime (a release is idempotent per hold id).
-struct Unanswered<'g>(Option<&'g LockGuard>);
-
-impl Drop for Unanswered<'_> {
-    fn drop(&mut self) {
-        if let Some(guard) = self.0.take() {
-            let releaser = guard.parts.manager.inner.releaser();
-            releaser.in_background(guard.ids(), guard.parts.held.keep_until());
-        }
+impl Resend for LockGuard {
+    fn resend(&self) {
+        let releaser = self.parts.manager.inner.releaser();
+        releaser.in_background(self.ids(), self.parts.held.keep_until());
     }
 }
 

@@ -78,6 +78,7 @@ mod lock;
 mod manager;
 pub mod metrics;
 mod multi;
+mod release;
 pub mod request;
 mod retry;
 mod scripts;

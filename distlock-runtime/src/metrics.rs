@@ -15,7 +15,7 @@
 //! | `distlock_acquire_attempts_total` | counter | | attempts sent to Redis |
 //! | `distlock_acquires_total` | counter | `outcome` | requests that ended: `acquired`, `busy` (not taken within its bounds), `refused` (would deadlock, upgrade, permits mismatch), `shutdown` (the manager was shut down), `error` (Redis failed) |
 //! | `distlock_acquire_wait_seconds` | histogram | `outcome` | time from the request to its outcome |
-//! | `distlock_hold_seconds` | histogram | | time from acquisition to release (or drop) |
+//! | `distlock_hold_seconds` | histogram | | time from acquisition to release (or drop); a set of locks is one hold, of kind `exclusive` (a key it re-entered is a hold of its own) |
 //! | `distlock_lost_total` | counter | | holds that ended with their lease lost, as [`LockGuard::is_lost`](crate::LockGuard::is_lost) tells (not those given back by shutdown) |
 //! | `distlock_renewals_total` | counter | `outcome` | watchdog renewals of one lease: `renewed`, `lost` (another owner or no key), `failed` (Redis failed; retried) |
 //! | `distlock_handoffs_total` | counter | | locks taken by a request that had queued for them: a release (or an expiry) handed the lock to a waiter |

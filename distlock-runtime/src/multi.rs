@@ -22,6 +22,7 @@ use crate::key::Keys;
 use crate::lease::{LeaseState, check_ttl};
 use crate::lock::{self, new_token};
 use crate::manager::{Inner, LockManager};
+use crate::release::{self, Resend, Unanswered};
 use crate::request::{KeySet, LockRequest, MultiLockRequest, Plan, Target};
 use crate::watchdog::Registration;
 use crate::{LockError, LockGuard};
@@ -183,6 +184,7 @@ fn grant_set(
         acquired,
         renewals,
         held,
+        metrics: plan.metrics,
     }
 }
 
@@ -276,6 +278,7 @@ pub struct MultiGuard {
     renewals: Vec<Registration>,
     held: Vec<Arc<Held>>,
     listing: Listing,
+    metrics: crate::metrics::Labels,
 }
 
 /// Where a set's locks stand with its manager (as a `LockGuard`'s hold does).
@@ -466,47 +469,24 @@ impl MultiGuard {
     ///
     /// [`LockError::Lost`] names a lock whose lease had already ended; the others are given
     /// back all the same. A release whose reply is lost is sent once more, as for
-    /// [`LockGuard::release`].
+    /// [`LockGuard::release`]; and as for it, if this future is dropped before Redis answers,
+    /// the release is still sent, from the manager's background runtime.
     pub async fn release(mut self) -> Result<(), LockError> {
         self.renewals.clear();
         if !self.unlist() {
             return Err(LockError::ShutDown);
         }
-        let inner = self.manager.inner.clone();
-        let mut outcome = Ok(());
         // A lock re-entered by a nested hold taken inside the set stays with that hold: its
         // last release gives the lock back.
         let (request, fresh) = self.last_holds();
+        let mut outcome = Ok(());
         if !fresh.is_empty() {
-            let mut retried = false;
-            let released = loop {
-                let request = request.clone();
-                let answer = inner
-                    .exec(move |backend| async move { backend.release_set(&request).await })
-                    .await?;
-                match answer {
-                    Ok(released) => break released,
-                    Err(error) if !retried && error.is_io_error() => retried = true,
-                    Err(error) => {
-                        return Err(LockError::redis(&fresh[0].name, error));
-                    }
-                }
+            let giving = Giving {
+                inner: &self.manager.inner,
+                request,
+                fresh,
             };
-            // After a resent release, a lock found gone while the lease was valid had been
-            // given back by the first attempt.
-            let mut lost = None;
-            for ((yes, key), keys) in released.iter().zip(&request.keys).zip(&fresh) {
-                if *yes {
-                    inner.waiters.released(&key.wake);
-                } else if lost.is_none() && (!retried || self.lease.is_lost()) {
-                    lost = Some(keys.name.clone());
-                }
-            }
-            tracing::debug!(keys = ?self.names, held_for = ?self.acquired.sent.elapsed(), "released");
-            if let Some(key) = lost {
-                self.lease.mark_lost();
-                outcome = Err(LockError::Lost { key });
-            }
+            outcome = self.release_on_server(&giving).await;
         }
         // Nested holds end after the set, innermost first.
         for guard in std::mem::take(&mut self.nested).into_iter().rev() {
@@ -516,6 +496,43 @@ impl MultiGuard {
             }
         }
         outcome
+    }
+
+    /// Gives back the locks of `giving` on the server, as one hold's release does: once more
+    /// if the reply is lost, and again from the background if this future is dropped first.
+    async fn release_on_server(&self, giving: &Giving<'_>) -> Result<(), LockError> {
+        let inner = giving.inner;
+        let mut unanswered = Unanswered::armed(giving);
+        let mut retried = false;
+        let released = loop {
+            let request = giving.request.clone();
+            let answer = inner
+                .exec(move |backend| async move { backend.release_set(&request).await })
+                .await?;
+            match answer {
+                Ok(released) => break released,
+                Err(error) if release::send_again(&error, retried) => retried = true,
+                Err(error) => {
+                    unanswered.answered();
+                    return Err(LockError::redis(&giving.fresh[0].name, error));
+                }
+            }
+        };
+        unanswered.answered();
+        let mut lost = None;
+        for ((yes, key), keys) in released.iter().zip(&giving.request.keys).zip(&giving.fresh) {
+            if *yes {
+                inner.waiters.released(&key.wake);
+            } else if lost.is_none() && release::found_lost(retried, &self.lease) {
+                lost = Some(keys.name.clone());
+            }
+        }
+        tracing::debug!(keys = ?self.names, held_for = ?self.acquired.sent.elapsed(), "released");
+        if let Some(key) = lost {
+            self.lease.mark_lost();
+            return Err(LockError::Lost { key });
+        }
+        Ok(())
     }
 
     /// The part of the set whose last hold this guard is (every lock, unless code inside the
@@ -577,6 +594,11 @@ impl MultiGuard {
 
 impl Drop for MultiGuard {
     fn drop(&mut self) {
+        if !self.fresh.is_empty() {
+            // A set of nested holds only is counted by those holds, under the set's label.
+            let lost = self.lease.is_lost() && !self.given_back_by_shutdown();
+            crate::metrics::hold_ended(self.metrics, self.acquired.sent, lost);
+        }
         self.renewals.clear();
         if self.unlist() && !self.fresh.is_empty() {
             let (request, fresh) = self.last_holds();
@@ -586,6 +608,23 @@ impl Drop for MultiGuard {
             // From the manager's own runtime, which outlives the caller's.
             self.manager.inner.releaser().set_in_background(request);
         }
+    }
+}
+
+/// The part of a set one release gives back (the locks whose last hold the set is), and the
+/// manager it goes through.
+struct Giving<'g> {
+    inner: &'g Inner,
+    request: SetRequest,
+    /// The names of the locks of `request`, in its order.
+    fresh: Vec<Keys>,
+}
+
+impl Resend for Giving<'_> {
+    fn resend(&self) {
+        self.inner
+            .releaser()
+            .set_in_background(self.request.clone());
     }
 }
 

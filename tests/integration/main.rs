@@ -22,6 +22,7 @@ mod support;
 
 mod acl;
 mod attribute;
+mod cancellation;
 mod cli;
 mod cluster;
 mod cohorts;

@@ -379,3 +379,43 @@ async fn a_sets_nested_holds_carry_its_label() {
     .await;
     assert!(keys(&server, &prefix).is_empty());
 }
+
+#[tokio::test]
+async fn a_set_records_its_hold_as_a_single_lock_does() {
+    snapshotter();
+    let server = shared_server();
+    let prefix = unique_prefix("m-set-hold");
+    let locks = manager(&server, &prefix).await;
+    let labels = [("template", "pair:{a}:{b}"), ("kind", "exclusive")];
+    let pair = |ttl| {
+        locks
+            .lock_all([format!("pair:{MARK}-1"), format!("pair:{MARK}-2")])
+            .label("pair:{a}:{b}")
+            .ttl(ttl)
+            .acquire()
+    };
+
+    // Released, then dropped: one hold each, neither lost.
+    pair(Duration::from_secs(10))
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    assert_eq!(histogram(names::HOLD, &labels).len(), 1);
+    drop(pair(Duration::from_secs(10)).await.unwrap());
+    assert_eq!(histogram(names::HOLD, &labels).len(), 2);
+    assert_eq!(counter(names::LOST, &labels), 0);
+    until("the dropped set is given back", || {
+        keys(&server, &prefix).is_empty()
+    })
+    .await;
+
+    // A set whose lease ran out ends lost.
+    let set = pair(Duration::from_millis(100)).await.unwrap();
+    let _ = set.lost().await;
+    until("the keys expire", || keys(&server, &prefix).is_empty()).await;
+    assert!(matches!(set.release().await, Err(LockError::Lost { .. })));
+    assert_eq!(histogram(names::HOLD, &labels).len(), 3);
+    assert_eq!(counter(names::LOST, &labels), 1);
+}
