@@ -850,8 +850,12 @@ async fn check_eviction(backend: &Backend, require: bool) -> Result<(), LockErro
                 unknown += 1;
                 continue;
             }
-            // An unreachable RedLock minority: not knowing its policy is no reason to fail.
-            Err(_) => continue,
+            // An unreachable RedLock minority, or an answer late on a busy server: not knowing
+            // its policy is no reason to fail.
+            Err(error) => {
+                tracing::debug!(%error, "maxmemory-policy not read");
+                continue;
+            }
         };
         for (master, policy) in policies {
             if policy == "noeviction" {
