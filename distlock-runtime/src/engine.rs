@@ -777,16 +777,23 @@ impl<'a, A: Ask> Engine<'a, A> {
 /// says whether Redis answered), for a lock or a set alike.
 ///
 /// In a tokio runtime, the release is queued on that runtime's connection before this
-/// returns, right behind the attempt, so it cannot overtake it. If that runtime goes away (or
-/// the connection fails) before the answer, the manager's runtime sends it once more, and
-/// only that outcome is logged. Outside any runtime, the manager's runtime sends it.
+/// returns, right behind the attempt, so it cannot overtake it there. If that runtime goes
+/// away (or the connection fails) before the answer, the manager's runtime sends it once more,
+/// and only that outcome is logged. Outside any runtime, the manager's runtime sends it.
+///
+/// A connection whose answer timed out is dropped, and the release may then go on a new one
+/// while the attempt still sits in the old socket, to be delivered if the network heals
+/// before the kernel gives up on it. So the release is sent once more when that can no
+/// longer happen ([`Backend::late_delivery`](crate::backend::Backend::late_delivery)): a
+/// release of what was never granted, or was already given back, changes nothing.
 pub(crate) fn send_behind<R, F>(inner: &Inner, release: R)
 where
     R: Fn() -> F + Send + 'static,
     F: Future<Output = redis::RedisResult<()>> + Send + 'static,
 {
+    let late = inner.backend.late_delivery();
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return inner.driver.spawn(release_again(None, release));
+        return inner.driver.spawn(release_again(None, release, late));
     };
     let (answered, answer) = oneshot::channel();
     let here = release();
@@ -801,23 +808,29 @@ where
     if here.as_mut().poll(&mut cx).is_pending() {
         drop(runtime.spawn(here));
     }
-    inner.driver.spawn(release_again(Some(answer), release));
+    inner
+        .driver
+        .spawn(release_again(Some(answer), release, late));
 }
 
 /// Sends `release` from the manager's runtime, unless `first` says the one sent before was
-/// answered; logs a failure.
-async fn release_again<R, F>(first: Option<oneshot::Receiver<()>>, release: R)
+/// answered, and logs a failure; then, `late` after, once more (see [`send_behind`]).
+async fn release_again<R, F>(first: Option<oneshot::Receiver<()>>, release: R, late: Duration)
 where
     R: Fn() -> F,
     F: Future<Output = redis::RedisResult<()>>,
 {
-    if let Some(answer) = first
-        && answer.await.is_ok()
-    {
-        return;
-    }
-    if let Err(error) = release().await {
+    let sent = tokio::time::Instant::now();
+    let answered = match first {
+        Some(answer) => answer.await.is_ok(),
+        None => false,
+    };
+    if !answered && let Err(error) = release().await {
         tracing::warn!(%error, "a release behind an abandoned attempt failed; the lease will expire");
+    }
+    tokio::time::sleep_until(sent + late).await;
+    if let Err(error) = release().await {
+        tracing::debug!(%error, "the late release behind an abandoned attempt failed");
     }
 }
 

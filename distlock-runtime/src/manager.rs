@@ -502,8 +502,11 @@ impl LockManagerBuilder {
         self
     }
 
-    /// How long one round trip to Redis may take before it fails, including any wait for a
-    /// reconnect (default 1 s).
+    /// How long one round trip to Redis may take before it fails (default 1 s). A request
+    /// that must first wait for a connection to open waits at most the
+    /// [`connect_timeout`](Self::connect_timeout) for it. A connection whose answer did not
+    /// come in time is dropped, and the next request opens a new one: on a network that drops
+    /// packets, it may be half-open.
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
         self

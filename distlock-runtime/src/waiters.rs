@@ -62,6 +62,8 @@ struct Shared {
     closed: AtomicU64,
     /// Set by `close`: no pub/sub connection from then on.
     shut: AtomicBool,
+    /// A task subscribes every waited channel again after the connection was lost.
+    recovering: AtomicBool,
     /// Locks handed to a local waiter by a release.
     handoffs: AtomicU64,
     /// Of those, the ones passed with no server command (a cohort's local passes).
@@ -262,6 +264,7 @@ impl Waiters {
                 generation: AtomicU64::new(0),
                 closed: AtomicU64::new(0),
                 shut: AtomicBool::new(false),
+                recovering: AtomicBool::new(false),
                 handoffs: AtomicU64::new(0),
                 passes: AtomicU64::new(0),
                 cohort,
@@ -640,7 +643,12 @@ impl Shared {
                 Ok(pubsub) => {
                     let (new, stream) = pubsub.split();
                     let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
-                    let reader = tokio::spawn(read(Arc::downgrade(&self), stream, generation));
+                    let reader = tokio::spawn(read(
+                        Arc::downgrade(&self),
+                        stream,
+                        generation,
+                        backend.clone(),
+                    ));
                     *sink = Sink {
                         sink: Some(new),
                         generation,
@@ -668,17 +676,60 @@ impl Shared {
             Ok(Err(error)) => {
                 tracing::debug!(%error, "subscribe failed; waiting on timers");
                 self.drop_connection(&mut sink);
+                self.recover(&backend);
                 return;
             }
             Err(_) => {
                 tracing::debug!("no answer to subscribe; waiting on timers");
                 self.drop_connection(&mut sink);
+                self.recover(&backend);
                 return;
             }
         }
         // The last waiter left while this subscribed, and found nothing to unsubscribe.
         if !self.lock_keys().contains_key(&key.channel) {
             self.unsubscribe(&mut sink, &key.channel).await;
+        }
+    }
+
+    /// After the connection was lost: subscribes every waited channel again, as soon as a
+    /// connection can be opened (tried every connect timeout or so, on the manager's
+    /// runtime), then wakes every waiter to look again, since a release may have gone
+    /// unheard meanwhile (a partition drops the message without a word). Without this, a
+    /// waiter whose wake-up was lost would sleep until its fallback timer.
+    fn recover(self: &Arc<Self>, backend: &Backend) {
+        if self.shut.load(Ordering::Acquire) || self.recovering.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (shared, backend) = (Arc::clone(self), backend.clone());
+        drop(tokio::spawn(async move {
+            shared.resubscribe(backend).await;
+            shared.recovering.store(false, Ordering::Release);
+        }));
+    }
+
+    async fn resubscribe(self: &Arc<Self>, backend: Backend) {
+        loop {
+            let keys: Vec<_> = self.lock_keys().values().cloned().collect();
+            if keys.is_empty() || self.shut.load(Ordering::Acquire) {
+                return;
+            }
+            for key in &keys {
+                Arc::clone(self)
+                    .follow(Arc::clone(key), backend.clone())
+                    .await;
+            }
+            let generation = self.generation.load(Ordering::Acquire);
+            if keys.iter().all(|key| {
+                key.subscribed_in.load(Ordering::Acquire) == generation || !self.is_waited(key)
+            }) {
+                for key in keys {
+                    key.woken();
+                }
+                return;
+            }
+            let pause = self.connect_timeout.mul_f64(1.0 + fastrand::f64() / 2.0);
+            tokio::time::sleep(pause).await;
         }
     }
 
@@ -944,8 +995,9 @@ impl Drop for Ticket {
     }
 }
 
-/// Routes every message to its key's waiters, until the connection ends.
-async fn read(shared: Weak<Shared>, mut stream: PubSubStream, generation: u64) {
+/// Routes every message to its key's waiters, until the connection ends; then has the
+/// waited channels subscribed again on a new one.
+async fn read(shared: Weak<Shared>, mut stream: PubSubStream, generation: u64, backend: Backend) {
     while let Some(message) = std::future::poll_fn(|cx| Pin::new(&mut stream).poll_next(cx)).await {
         let Some(shared) = shared.upgrade() else {
             return;
@@ -956,6 +1008,7 @@ async fn read(shared: Weak<Shared>, mut stream: PubSubStream, generation: u64) {
         tracing::debug!("pub/sub connection lost");
         shared.closed.store(generation, Ordering::Release);
         shared.lost_connection(generation);
+        shared.recover(&backend);
     }
 }
 

@@ -34,8 +34,8 @@ pub(super) struct Link {
 struct LinkState {
     client: Client,
     config: AsyncConnectionConfig,
-    /// How long a request may take, a wait for the connection's opening included.
-    response_timeout: Duration,
+    /// How long a request waits for a connection being opened.
+    connect_timeout: Duration,
     /// What each connection calls itself on the server (`CLIENT SETNAME`).
     name: Arc<str>,
     lost: Lost,
@@ -61,7 +61,7 @@ impl Link {
     pub(super) fn new(
         client: Client,
         config: AsyncConnectionConfig,
-        response_timeout: Duration,
+        connect_timeout: Duration,
         name: Arc<str>,
         lost: Lost,
     ) -> Self {
@@ -69,7 +69,7 @@ impl Link {
             inner: Arc::new(LinkState {
                 client,
                 config,
-                response_timeout,
+                connect_timeout,
                 name,
                 lost,
                 state: Mutex::new(State::Closed),
@@ -110,10 +110,9 @@ impl Link {
         answers
     }
 
-    /// Waits for `opening`, then sends with `send`: all within one response timeout, as a
-    /// request on an open connection. If the time runs out after the opening, the connection
-    /// is closed as after any response timeout (it may be half-open); the opening itself
-    /// goes on for whoever comes next.
+    /// Waits for a connection to be opened (at most the connect timeout, which an opening
+    /// tries twice), then sends with `send`, which the connection's response timeout bounds
+    /// as any request.
     async fn after_opening<T, F>(
         &self,
         send: impl FnOnce(MultiplexedConnection) -> F,
@@ -121,15 +120,11 @@ impl Link {
     where
         F: Future<Output = RedisResult<T>>,
     {
-        let limit = self.inner.response_timeout;
-        let deadline = tokio::time::Instant::now() + limit;
-        let (conn, generation) = tokio::time::timeout_at(deadline, self.opened())
+        let limit = self.inner.connect_timeout;
+        let (conn, generation) = tokio::time::timeout(limit, self.opened())
             .await
             .map_err(|_| timed_out(limit))??;
-        let answer = match tokio::time::timeout_at(deadline, send(conn)).await {
-            Ok(answer) => answer,
-            Err(_) => Err(timed_out(limit)),
-        };
+        let answer = send(conn).await;
         self.check(&answer, generation);
         answer
     }
@@ -157,8 +152,12 @@ impl Link {
             let mut state = self.state();
             match &*state {
                 State::Open { conn, generation } => return Ok((conn.clone(), *generation)),
-                State::Opening(opening) => opening.clone(),
-                State::Closed => {
+                // An opening that failed while nobody waited (during a partition, say) is
+                // not waited for: a new one starts.
+                State::Opening(opening) if !opening.peek().is_some_and(Result::is_err) => {
+                    opening.clone()
+                }
+                _ => {
                     let opening = self.open();
                     *state = State::Opening(opening.clone());
                     opening
@@ -206,7 +205,7 @@ impl Link {
                 Ok::<(), std::convert::Infallible>(())
             });
         }
-        async move {
+        let opening = async move {
             let conn = match client
                 .get_multiplexed_async_connection_with_config(&config)
                 .await
@@ -233,6 +232,13 @@ impl Link {
                 tracing::debug!(%error, "the connection could not be named");
             }
             Ok((conn, generation))
+        };
+        // A task of its own: the opening goes on (and fails in time) without waiters, so that
+        // a request that comes later finds its outcome, not a connect begun long ago.
+        let task = tokio::spawn(opening);
+        async move {
+            task.await
+                .unwrap_or_else(|_| Err(std::io::Error::other("connection opening stopped").into()))
         }
         .boxed()
         .shared()
@@ -251,24 +257,16 @@ impl Link {
         close(&self.inner, generation);
     }
 
-    /// Closes the open connection, whichever it is: the next request opens a new one.
-    pub(super) fn close(&self) {
-        let mut state = self.state();
-        if matches!(&*state, State::Open { .. }) {
-            *state = State::Closed;
-        }
-    }
-
     fn state(&self) -> MutexGuard<'_, State> {
         self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
-/// The error of a request that had no answer within `limit`.
+/// The error of a request that got no connection within `limit`.
 fn timed_out(limit: Duration) -> redis::RedisError {
     redis::RedisError::from(std::io::Error::new(
         std::io::ErrorKind::TimedOut,
-        format!("no answer from redis within {limit:?}"),
+        format!("no connection to redis within {limit:?}"),
     ))
 }
 

@@ -155,6 +155,14 @@ impl Backend {
         &self.nodes()[0]
     }
 
+    /// How long after it was sent a request that went unanswered may still reach a server:
+    /// until the kernel gives up on its connection (which was dropped when the answer timed
+    /// out, and still retransmits what it holds), plus a response timeout.
+    pub(crate) fn late_delivery(&self) -> Duration {
+        let response = self.nodes()[0].pool.response_timeout;
+        crate::security::socket_timeouts(response).unacknowledged + response
+    }
+
     /// The masters after the first (a RedLock's others; none otherwise).
     pub(crate) fn others(&self) -> &[Node] {
         &self.nodes()[1..]

@@ -101,8 +101,7 @@ impl Node {
         })
     }
 
-    /// Passes `result` through. A connection that timed out or broke is dropped (the next
-    /// request opens a new one); an error that may mean a failover makes a Sentinel-managed
+    /// Passes `result` through. An error that may mean a failover makes a Sentinel-managed
     /// node look for the current master in the background; a lost connection makes a node
     /// suspect of having restarted until its run_id is checked.
     pub(super) fn watch<T>(&self, result: RedisResult<T>) -> RedisResult<T> {
@@ -111,7 +110,6 @@ impl Node {
             {
                 self.pool.lock_identity().suspect = true;
             }
-            self.pool.failed(error);
             self.route.failed(&self.pool, error);
         }
         result
@@ -784,9 +782,14 @@ impl Node {
         &self,
         op: impl Future<Output = RedisResult<T>>,
     ) -> impl Future<Output = RedisResult<T>> {
-        bounded(self.pool.response_timeout, op)
+        // A little past the connection's own response timeout, which then fires first and
+        // drops the connection it timed out on (see `Link::check`).
+        bounded(self.pool.response_timeout + ANSWER_SLACK, op)
     }
 }
+
+/// How much longer than the response timeout a request bounded by a timer may take.
+const ANSWER_SLACK: Duration = Duration::from_millis(50);
 
 /// A command named `name` with room for `args` more arguments of `bytes` in all, so that
 /// adding them allocates nothing more: the commands of every plain lock are built this way.

@@ -156,7 +156,7 @@ impl Pool {
         Link::new(
             self.client(),
             self.config.clone(),
-            self.response_timeout,
+            self.connect_timeout,
             self.client_name.clone(),
             lost,
         )
@@ -200,26 +200,6 @@ impl Pool {
         true
     }
 
-    /// After a request on the current runtime's connection failed: a server's connection
-    /// whose answer timed out, or that broke, is closed, so that the next request opens a
-    /// new one instead of queueing behind a socket that may be half-open (a partition drops
-    /// packets without a word, and the kernel's retransmits back off for minutes). Requests
-    /// already on the old connection finish on it, or time out. A Cluster's connection
-    /// keeps one connection per node and replaces a node's when it breaks: the socket
-    /// options (see `security::socket_timeouts`) make a silent node's break within seconds,
-    /// without disturbing the other nodes' connections.
-    pub(super) fn failed(&self, error: &RedisError) {
-        if !(error.is_timeout() || error.is_unrecoverable_error()) {
-            return;
-        }
-        let Ok(runtime) = runtime::Handle::try_current() else {
-            return;
-        };
-        if let Some(Conn::Server(link)) = self.known_conn(runtime.id()) {
-            link.close();
-        }
-    }
-
     /// Keeps a connection that answered for the next grant (a few per runtime at most); one
     /// that failed is dropped instead, as its state is unknown.
     pub(super) fn put_back(&self, conn: MultiplexedConnection) {
@@ -253,12 +233,14 @@ impl Drop for Forget {
         let Some(pool) = self.pool.upgrade() else {
             return;
         };
-        pool.by_runtime
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.id);
+        // `watched` first: a connection opened meanwhile by this runtime then finds it
+        // unwatched and watches it again, instead of staying behind in `by_runtime`.
         pool.watched
             .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.id);
+        pool.by_runtime
+            .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.id);
         pool.replicated

@@ -8,7 +8,6 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::FutureExt;
 use futures_util::StreamExt;
 use futures_util::future::join_all;
 use futures_util::stream::FuturesUnordered;
@@ -63,8 +62,7 @@ impl RedLock {
         }
     }
 
-    /// Runs `op` on every master at once, each bounded by `limit`; a master that does not
-    /// answer within it has its connection dropped, as a node's own timeout would.
+    /// Runs `op` on every master at once, each bounded by `limit`.
     pub(super) async fn on_all<'a, T, Fut>(
         &'a self,
         limit: Duration,
@@ -73,12 +71,7 @@ impl RedLock {
     where
         Fut: Future<Output = RedisResult<T>>,
     {
-        join_all(
-            self.nodes
-                .iter()
-                .map(|node| bounded(limit, op(node)).map(|answer| node.watch(answer))),
-        )
-        .await
+        join_all(self.nodes.iter().map(|node| bounded(limit, op(node)))).await
     }
 
     /// One acquire attempt.

@@ -391,7 +391,10 @@ impl RedisServer {
         // The port is free when chosen but another process may take it before redis-server
         // binds it: try a few ports.
         for _ in 0..5 {
-            let port = free_port()?;
+            let port = match network {
+                Some(network) => network.port(),
+                None => free_port()?,
+            };
             let server = Self {
                 port,
                 dir: scratch_dir(port)?,

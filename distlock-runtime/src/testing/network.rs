@@ -9,7 +9,7 @@
 //! use distlock_runtime::testing::Network;
 //!
 //! let network = Network::create()?;      // a namespace of its own, removed on drop
-//! let server = network.start_server()?;  // redis://10.x.y.z:<port>, over its own path
+//! let server = network.start_server()?;  // redis://198.x.y.z:<port>, over its own path
 //! network.cut(&server)?;                 // packets to and from it are dropped
 //! network.heal(&server)?;                // and flow again
 //! # Ok::<(), std::io::Error>(())
@@ -18,8 +18,8 @@
 //! Inside the namespace the servers reach each other (replication, Sentinel, the Cluster
 //! bus) whatever is cut: a cut separates the test process from one server, not the servers
 //! from each other. The harness's own commands ([`RedisServer::command`]) go over a control
-//! path that is never cut. Every address is inside `10.64.0.0/10`, on links that exist only
-//! between this process and the namespace.
+//! path that is never cut. Every address is inside `198.18.0.0/15` (set aside for network
+//! tests, routed nowhere), on links that exist only between this process and the namespace.
 
 use std::net::Ipv4Addr;
 use std::path::Path as FsPath;
@@ -41,10 +41,13 @@ const PATHS: u32 = 64;
 pub struct Network {
     /// The namespace's name: `distlock-<pid>-<n>`.
     name: String,
-    /// Every path is a `/30` of `10.<a>.<b>.0/24`.
+    /// Every path is a `/30` of `198.<a>.<b>.0/24`.
     block: (u8, u8),
     /// The next path's index.
     next: AtomicU32,
+    /// The next port for a server: ports in the namespace are its own, so a counter gives
+    /// each server one no other listens on.
+    ports: AtomicU32,
     /// The root end's name of each path starts with this.
     prefix: String,
 }
@@ -55,7 +58,7 @@ impl fmt::Debug for Network {
             .field("name", &self.name)
             .field(
                 "block",
-                &format_args!("10.{}.{}.0/24", self.block.0, self.block.1),
+                &format_args!("198.{}.{}.0/24", self.block.0, self.block.1),
             )
             .finish()
     }
@@ -126,13 +129,14 @@ impl Network {
             name,
             block: (0, 0),
             next: AtomicU32::new(0),
+            ports: AtomicU32::new(20_000),
             prefix: format!("d{pid:x}n{n:x}p"),
         };
         // A block no address of this machine is in; on a clash (another process picked the
         // same one meanwhile), another.
         let mut last = None;
         for _ in 0..8 {
-            network.block = (64 + fastrand::u8(0..64), fastrand::u8(..));
+            network.block = (18 + fastrand::u8(0..2), fastrand::u8(..));
             if in_use(network.block)? {
                 continue;
             }
@@ -197,6 +201,12 @@ impl Network {
         self.inside(0)
     }
 
+    /// A port no other server of the namespace listens on.
+    pub(super) fn port(&self) -> u16 {
+        let port = self.ports.fetch_add(1, Ordering::Relaxed);
+        u16::try_from(port).unwrap_or(u16::MAX)
+    }
+
     /// `program` to be run inside the namespace.
     pub(super) fn command(&self, program: &FsPath) -> Command {
         let mut command = Command::new("ip");
@@ -227,7 +237,7 @@ impl Network {
         ip(&["-n", &self.name, "link", "set", &link.inside, state])
     }
 
-    /// Adds a veth pair: `10.a.b.4k+1` on this side, `10.a.b.4k+2` inside.
+    /// Adds a veth pair: `198.a.b.4k+1` on this side, `198.a.b.4k+2` inside.
     fn add_path(&self) -> io::Result<(Ipv4Addr, Link)> {
         let k = self.next.fetch_add(1, Ordering::Relaxed);
         if k >= PATHS {
@@ -259,7 +269,7 @@ impl Network {
     }
 
     fn address(&self, host: u32) -> Ipv4Addr {
-        Ipv4Addr::new(10, self.block.0, self.block.1, host as u8)
+        Ipv4Addr::new(198, self.block.0, self.block.1, host as u8)
     }
 }
 
@@ -291,13 +301,19 @@ fn unsupported(why: &str) -> io::Error {
     io::Error::new(io::ErrorKind::Unsupported, why.to_owned())
 }
 
-/// Whether an address of this machine is in `10.a.b.0/24`.
+/// Whether an address or a route of this machine is in `198.a.b.0/24`.
 fn in_use((a, b): (u8, u8)) -> io::Result<bool> {
-    let output = Command::new("ip")
-        .args(["-o", "-4", "addr", "show"])
-        .output()?;
-    let listed = String::from_utf8_lossy(&output.stdout);
-    Ok(listed.contains(&format!(" 10.{a}.{b}.")))
+    let block = format!("198.{a}.{b}.");
+    for args in [
+        &["-o", "-4", "addr", "show"][..],
+        &["-4", "route", "show"][..],
+    ] {
+        let output = Command::new("ip").args(args).output()?;
+        if String::from_utf8_lossy(&output.stdout).contains(&block) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// Removes the namespaces of processes that are gone (killed before their networks dropped).
@@ -314,6 +330,12 @@ fn sweep() {
             continue;
         };
         if !FsPath::new("/proc").join(pid).exists() {
+            // Its servers first: they would keep the namespace, and its links, alive.
+            if let Ok(pids) = Command::new("ip").args(["netns", "pids", name]).output() {
+                for pid in String::from_utf8_lossy(&pids.stdout).split_whitespace() {
+                    let _ = Command::new("kill").args(["-KILL", pid]).status();
+                }
+            }
             let _ = ip(&["netns", "del", name]);
         }
     }
