@@ -126,10 +126,14 @@ MUTATIONS = [
      [(RT + "watchdog.rs", "                        lease.state.mark_lost();\n                        shared.counters.lost",
        "                        shared.counters.lost")]),
     # --- Rust: connections on a real network
-    ("link.rs/pool.rs: a timed-out connection is reused", "partitions",
+    ("waiters: a lost pub/sub connection is not followed again", "partitions",
+     [(RT + "waiters.rs", "        shared.lost_connection(generation);\n        shared.recover(&backend);",
+       "        shared.lost_connection(generation);")]),
+    ("watchdog: a renewed lease is not scheduled again", "leases",
+     [(RT + "watchdog.rs", "            tracing::warn!(lock = %lease.hold.lock, \"the holder's runtime did not answer: not renewing\");\n        }\n        leases.reschedule(id);",
+       "            tracing::warn!(lock = %lease.hold.lock, \"the holder's runtime did not answer: not renewing\");\n        }")]),
+    ("link.rs: a timed-out connection is reused", "partitions",
      [(RT + "backend/link.rs", "if !(error.is_unrecoverable_error() || error.is_timeout()) {",
-       "if !error.is_unrecoverable_error() {"),
-      (RT + "backend/pool.rs", "if !(error.is_timeout() || error.is_unrecoverable_error()) {",
        "if !error.is_unrecoverable_error() {")]),
 ]
 

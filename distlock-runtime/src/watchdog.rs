@@ -1,8 +1,11 @@
 //! Lease renewal: one watchdog per manager for every lease that asked for it.
 //!
 //! The watchdog is a single task on the manager's driver runtime. It wakes when the earliest
-//! renewal is due and renews every lease due by then (and those nearly due) in one round trip
-//! with a token-checked script, so N held leases cost one command per tick, not N timers.
+//! renewal is due and renews every lease due by then (and those nearly due) with a
+//! token-checked script, up to 512 leases per call and several calls in flight at once, so N
+//! held leases cost N/512 commands per tick, not N timers. The leases wait in a [`Schedule`]
+//! ordered by when each must be looked at next: registering or dropping a lease costs
+//! O(log n) at most, and a tick costs what is due, not what is held.
 //! A lease is renewed at about a third of its TTL; a lease whose renewal finds another owner
 //! or no key is marked lost and dropped, and one is dropped as soon as its guard is released.
 //!
@@ -11,7 +14,8 @@
 //! for half a lease (that runtime is blocked or gone) is not renewed, so it expires instead of
 //! outliving a stuck holder. `max_hold` ends renewal for a body that never finishes.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -26,6 +30,13 @@ use crate::lease::{LeaseState, saturating_add};
 /// At most this many leases per renewal script call.
 const BATCH: usize = 512;
 
+/// At most this many renewal calls in flight at once.
+const IN_FLIGHT: usize = 8;
+
+/// At most this many leases taken out per look: the driver's thread, which carries the
+/// manager's round trips too, never spends long on one.
+const PER_LOOK: usize = BATCH * IN_FLIGHT;
+
 /// A registered lease; it stops being renewed when this handle is dropped.
 #[derive(Debug)]
 pub(crate) struct Registration {
@@ -36,7 +47,64 @@ pub(crate) struct Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         if let Some(shared) = self.watchdog.upgrade() {
-            shared.lock().by_id.remove(&self.id);
+            shared.lock().remove(self.id);
+        }
+    }
+}
+
+/// Ids ordered by when each must be looked at next: a min-heap of (time, id) with lazy
+/// removal, beside each id's current time. Setting or removing an id costs O(log n) at most;
+/// taking what is due costs O(log n) per id taken (and per stale entry skipped, each pushed
+/// once).
+#[derive(Debug, Default)]
+pub(crate) struct Schedule {
+    heap: BinaryHeap<Reverse<(Instant, u64)>>,
+    at: HashMap<u64, Instant>,
+}
+
+impl Schedule {
+    /// Schedules `id` at `at`, replacing its earlier time.
+    pub(crate) fn set(&mut self, id: u64, at: Instant) {
+        if self.at.insert(id, at) != Some(at) {
+            self.heap.push(Reverse((at, id)));
+        }
+    }
+
+    /// Unschedules `id`.
+    pub(crate) fn remove(&mut self, id: u64) {
+        self.at.remove(&id);
+        // Its heap entry is dropped when it reaches the top; without any id left, at once.
+        if self.at.is_empty() {
+            self.heap.clear();
+        }
+    }
+
+    /// The earliest time of any id.
+    pub(crate) fn next(&mut self) -> Option<Instant> {
+        self.skip_stale();
+        self.heap.peek().map(|Reverse((at, _))| *at)
+    }
+
+    /// Takes out the earliest id if it is due by `limit`, with its time: the caller sets it
+    /// again if it stays.
+    pub(crate) fn pop_due(&mut self, limit: Instant) -> Option<(u64, Instant)> {
+        self.skip_stale();
+        let Reverse((at, id)) = *self.heap.peek()?;
+        if at > limit {
+            return None;
+        }
+        self.heap.pop();
+        self.at.remove(&id);
+        Some((id, at))
+    }
+
+    /// Drops the top entries that no longer hold their id's current time.
+    fn skip_stale(&mut self) {
+        while let Some(Reverse((at, id))) = self.heap.peek() {
+            if self.at.get(id) == Some(at) {
+                return;
+            }
+            self.heap.pop();
         }
     }
 }
@@ -91,8 +159,32 @@ struct Renewals {
 #[derive(Debug, Default)]
 struct Leases {
     by_id: HashMap<u64, Lease>,
+    /// When to look at each lease next: its renewal, or its local deadline if sooner.
+    schedule: Schedule,
     next_id: u64,
     running: bool,
+    /// When the task will look next on its own, while it sleeps: a lease due earlier wakes it.
+    sleeps_until: Option<Instant>,
+}
+
+impl Leases {
+    /// Schedules the lease `id` for its next look.
+    fn reschedule(&mut self, id: u64) {
+        if let Some(lease) = self.by_id.get(&id) {
+            let at = lease.next_renewal.min(lease.state.valid_until());
+            self.schedule.set(id, at);
+        }
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Lease> {
+        self.schedule.remove(id);
+        self.by_id.remove(&id)
+    }
+
+    fn clear(&mut self) {
+        self.by_id.clear();
+        self.schedule = Schedule::default();
+    }
 }
 
 #[derive(Debug)]
@@ -126,7 +218,7 @@ impl Watchdog {
 
     /// Stops renewing every lease; the task ends at its next look.
     pub(crate) fn stop(&self) {
-        self.shared.lock().by_id.clear();
+        self.shared.lock().clear();
         self.shared.wake.notify_one();
     }
 
@@ -153,17 +245,22 @@ impl Watchdog {
             alive: Arc::new(AtomicU64::new(since_epoch(Instant::now()))),
             metrics,
         };
-        let (id, start) = {
+        let (id, start, wake) = {
             let mut leases = self.shared.lock();
             let id = leases.next_id;
             leases.next_id += 1;
+            let at = lease.next_renewal.min(lease.state.valid_until());
             leases.by_id.insert(id, lease);
-            (id, !std::mem::replace(&mut leases.running, true))
+            leases.schedule.set(id, at);
+            // The task sleeps past this lease's first look: wake it. Otherwise it finds the
+            // lease in the schedule in time, and a registration costs it nothing.
+            let wake = leases.sleeps_until.is_some_and(|sleeps| at < sleeps);
+            (id, !std::mem::replace(&mut leases.running, true), wake)
         };
         if start {
             let Through { driver, backend } = through.into();
             driver.spawn(run(self.shared.clone(), backend.clone()));
-        } else {
+        } else if wake {
             self.shared.wake.notify_one();
         }
         Registration {
@@ -185,22 +282,31 @@ struct Due {
 /// The watchdog task: ends when no lease is left, or with the manager's runtime.
 async fn run(shared: Arc<Renewals>, backend: Backend) {
     loop {
+        // Registered before the look: a registration made after it wakes the sleep below.
+        let wake = shared.wake.notified();
+        tokio::pin!(wake);
+        wake.as_mut().enable();
         let (due, next_wake) = {
             let mut leases = shared.lock();
-            let (due, next_wake) = collect_due(&mut leases);
+            let due = collect_due(&mut leases);
             if leases.by_id.is_empty() {
                 leases.running = false;
+                leases.sleeps_until = None;
                 return;
             }
+            let next_wake = leases
+                .schedule
+                .next()
+                .unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+            leases.sleeps_until = due.is_empty().then_some(next_wake);
             (due, next_wake)
         };
         if !due.is_empty() {
             renew(&shared, &backend, due).await;
             continue;
         }
-        let wake = shared.wake.notified();
         let sleep = tokio::time::sleep_until(next_wake.into());
-        tokio::pin!(wake, sleep);
+        tokio::pin!(sleep);
         tokio::select! {
             () = &mut wake => {}
             () = &mut sleep => {}
@@ -208,56 +314,89 @@ async fn run(shared: Arc<Renewals>, backend: Backend) {
     }
 }
 
-/// Takes out the leases to renew now; drops the ones past `max_hold`, lost, or whose holder
-/// did not answer its probe. Returns the batch and when to look again.
-fn collect_due(leases: &mut Leases) -> (Vec<Due>, Instant) {
+/// Takes out the leases to renew now (at most [`PER_LOOK`]); drops the ones past
+/// `max_hold`, lost, or whose holder did not answer its probe. Costs what is due, not what is
+/// held.
+fn collect_due(leases: &mut Leases) -> Vec<Due> {
     let now = Instant::now();
     let mut due = Vec::new();
-    let mut next_wake = now + Duration::from_secs(3600);
-    leases.by_id.retain(|&id, lease| {
+    // Renew what falls due within half an interval of the first lease due: two groups of
+    // leases taken at different times then merge within a round, and share round trips from
+    // then on.
+    let mut limit = now;
+    while due.len() < PER_LOOK {
+        let Some((id, _)) = leases.schedule.pop_due(limit) else {
+            break;
+        };
+        let Some(lease) = leases.by_id.get_mut(&id) else {
+            continue;
+        };
         if lease.stop_at.is_some_and(|stop| now >= stop) {
             tracing::debug!(lock = %lease.hold.lock, "max_hold reached: renewal stops");
-            return false;
+            leases.by_id.remove(&id);
+            continue;
         }
         if lease.state.is_lost() {
             lease.state.mark_lost();
-            return false;
+            leases.by_id.remove(&id);
+            continue;
         }
-        // Renew what falls due within half an interval: two groups of leases taken at
-        // different times then merge within a round, and share round trips from then on.
-        if lease.next_renewal <= saturating_add(now, lease.ttl / 6) {
-            let probed = lease.alive.load(Ordering::Acquire);
-            let holder_alive = since_epoch(now).saturating_sub(probed) <= nanos(lease.ttl / 2);
-            match &lease.holder {
-                Some(holder) => {
-                    let alive = lease.alive.clone();
-                    let probe = async move { alive.store(since_epoch(Instant::now()), Ordering::Release) };
-                    drop(holder.spawn(probe));
-                }
-                None => lease.alive.store(since_epoch(now), Ordering::Release),
-            }
-            lease.next_renewal = saturating_add(now, lease.ttl / 3);
-            if holder_alive {
-                due.push(Due {
-                    id,
-                    hold: lease.hold.clone(),
-                    ttl: lease.ttl,
-                    state: lease.state.clone(),
-                    metrics: lease.metrics,
-                });
-            } else {
-                tracing::warn!(lock = %lease.hold.lock, "the holder's runtime did not answer: not renewing");
-            }
+        if lease.next_renewal > saturating_add(now, lease.ttl / 6) {
+            // Looked at for its local deadline, which a renewal moved on meanwhile.
+            leases.reschedule(id);
+            continue;
         }
-        // Wake for the next renewal, and at the local deadline to report an expiry.
-        next_wake = next_wake.min(lease.next_renewal).min(lease.state.valid_until());
-        true
-    });
-    (due, next_wake)
+        limit = limit.max(saturating_add(now, lease.ttl / 6));
+        let probed = lease.alive.load(Ordering::Acquire);
+        let holder_alive = since_epoch(now).saturating_sub(probed) <= nanos(lease.ttl / 2);
+        match &lease.holder {
+            Some(holder) => {
+                let alive = lease.alive.clone();
+                let probe =
+                    async move { alive.store(since_epoch(Instant::now()), Ordering::Release) };
+                drop(holder.spawn(probe));
+            }
+            None => lease.alive.store(since_epoch(now), Ordering::Release),
+        }
+        lease.next_renewal = saturating_add(now, lease.ttl / 3);
+        if holder_alive {
+            due.push(Due {
+                id,
+                hold: lease.hold.clone(),
+                ttl: lease.ttl,
+                state: lease.state.clone(),
+                metrics: lease.metrics,
+            });
+        } else {
+            tracing::warn!(lock = %lease.hold.lock, "the holder's runtime did not answer: not renewing");
+        }
+        leases.reschedule(id);
+    }
+    due
 }
 
+/// Renews `due`, [`BATCH`] leases per call, up to [`IN_FLIGHT`] calls at once (on Cluster,
+/// each call goes to every node its leases are on, at once).
 async fn renew(shared: &Renewals, backend: &Backend, due: Vec<Due>) {
-    for batch in due.chunks(BATCH) {
+    use futures_util::StreamExt;
+    let mut batches = due.chunks(BATCH);
+    let mut in_flight = futures_util::stream::FuturesUnordered::new();
+    loop {
+        while in_flight.len() < IN_FLIGHT {
+            let Some(batch) = batches.next() else {
+                break;
+            };
+            in_flight.push(renew_batch(shared, backend, batch));
+        }
+        if in_flight.next().await.is_none() {
+            return;
+        }
+    }
+}
+
+/// Renews one batch of due leases in one call.
+async fn renew_batch(shared: &Renewals, backend: &Backend, batch: &[Due]) {
+    {
         let sent = Instant::now();
         let items: Vec<Renewal<'_>> = batch
             .iter()
@@ -280,7 +419,7 @@ async fn renew(shared: &Renewals, backend: &Backend, due: Vec<Due>) {
                             lease.metrics,
                             crate::metrics::RenewalOutcome::Renewed,
                         );
-                    } else if leases.by_id.remove(&lease.id).is_some() {
+                    } else if leases.remove(lease.id).is_some() {
                         // (A lease released while its renewal was in flight is not lost.)
                         tracing::warn!(lock = %lease.hold.lock, renewed, "lease lost: renewal found another owner or no key, or came too late");
                         // Marked first: a loss that is counted is already seen by the guard.
@@ -307,9 +446,84 @@ async fn renew(shared: &Renewals, backend: &Backend, due: Vec<Due>) {
                     if let Some(entry) = leases.by_id.get_mut(&lease.id) {
                         let soon = (lease.ttl / 10).min(Duration::from_secs(1));
                         entry.next_renewal = Instant::now() + soon;
+                        leases.reschedule(lease.id);
                     }
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Schedule;
+    use std::time::{Duration, Instant};
+
+    fn drain(schedule: &mut Schedule, limit: Instant) -> Vec<u64> {
+        std::iter::from_fn(|| schedule.pop_due(limit).map(|(id, _)| id)).collect()
+    }
+
+    #[test]
+    fn what_is_due_comes_out_in_order_and_nothing_else() {
+        let now = Instant::now();
+        let at = |ms| now + Duration::from_millis(ms);
+        let mut schedule = Schedule::default();
+        for (id, ms) in [(1, 30), (2, 10), (3, 50), (4, 20)] {
+            schedule.set(id, at(ms));
+        }
+        assert_eq!(schedule.next(), Some(at(10)));
+        assert_eq!(drain(&mut schedule, at(25)), [2, 4]);
+        assert_eq!(schedule.next(), Some(at(30)));
+        assert_eq!(drain(&mut schedule, at(100)), [1, 3]);
+        assert_eq!(schedule.next(), None);
+    }
+
+    #[test]
+    fn a_new_time_replaces_the_old_one() {
+        let now = Instant::now();
+        let at = |ms| now + Duration::from_millis(ms);
+        let mut schedule = Schedule::default();
+        schedule.set(1, at(10));
+        schedule.set(2, at(20));
+        // Moved later: not due at its old time.
+        schedule.set(1, at(30));
+        assert_eq!(drain(&mut schedule, at(25)), [2]);
+        // Moved earlier: due at its new time, once.
+        schedule.set(1, at(5));
+        assert_eq!(drain(&mut schedule, at(100)), [1]);
+        assert_eq!(schedule.next(), None);
+    }
+
+    #[test]
+    fn a_removed_id_never_comes_out() {
+        let now = Instant::now();
+        let at = |ms| now + Duration::from_millis(ms);
+        let mut schedule = Schedule::default();
+        for id in 0..100 {
+            schedule.set(id, at(id));
+        }
+        for id in (0..100).filter(|id| id % 3 != 0) {
+            schedule.remove(id);
+        }
+        let due = drain(&mut schedule, at(1000));
+        assert_eq!(due, (0..100).filter(|id| id % 3 == 0).collect::<Vec<_>>());
+        // Removing everything leaves no stale entry behind.
+        schedule.set(7, at(1));
+        schedule.remove(7);
+        assert_eq!(schedule.next(), None);
+        assert!(schedule.heap.is_empty());
+    }
+
+    #[test]
+    fn an_id_taken_out_and_set_again_comes_out_at_its_new_time() {
+        let now = Instant::now();
+        let at = |ms| now + Duration::from_millis(ms);
+        let mut schedule = Schedule::default();
+        schedule.set(1, at(10));
+        assert_eq!(schedule.pop_due(at(10)), Some((1, at(10))));
+        assert_eq!(schedule.pop_due(at(10)), None);
+        schedule.set(1, at(40));
+        assert_eq!(drain(&mut schedule, at(39)), Vec::<u64>::new());
+        assert_eq!(drain(&mut schedule, at(40)), [1]);
     }
 }
