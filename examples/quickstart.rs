@@ -78,10 +78,14 @@ struct Row {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (url, _server) = match std::env::var("REDIS_URL") {
         Ok(url) => (url, None),
-        Err(_) => {
-            let server = RedisServer::start()?;
-            (server.url(), Some(server))
-        }
+        Err(_) => match RedisServer::start() {
+            Ok(server) => (server.url(), Some(server)),
+            // One plain sentence that says what to install, not a `Debug` dump.
+            Err(error) => {
+                eprintln!("quickstart: cannot start a throwaway Redis server: {error}");
+                std::process::exit(1);
+            }
+        },
     };
     let client = redis::Client::open(url.as_str())?;
     let mut admin = client.get_multiplexed_async_connection().await?;

