@@ -1013,7 +1013,8 @@ impl SetPlan {
         }
         let choices = if features.short_leases { 3 } else { 4 };
         let ttl = [150, 400, 2_000, 10_000][rng.usize(..choices)];
-        let wait = rng.bool().then(|| match rng.u8(..5) {
+        // A set needs every key free at once: most of them wait.
+        let wait = (rng.u8(..4) != 0).then(|| match rng.u8(..5) {
             0 => Duration::from_millis(rng.u64(300..1_500)),
             _ => Duration::from_millis(rng.u64(1..300)),
         });
@@ -1222,7 +1223,7 @@ async fn program(world: World, locks: LockManager, who: String, seed: u64, ops: 
     let mut rng = fastrand::Rng::with_seed(seed);
     for _ in 0..ops {
         // Now and then a set of keys, among the single holds of the same keys.
-        if rng.u8(..8) == 0 {
+        if rng.u8(..6) == 0 {
             sets(&world, &locks, &who, &mut rng, faults).await;
             continue;
         }
@@ -1580,217 +1581,302 @@ async fn sets(
     faults: bool,
 ) {
     let plan = SetPlan::random(rng, world.features, faults);
-    let keys = plan.keys();
     match rng.u8(..12) {
-        // A set alone.
-        0..=2 => {
-            if let Some((guard, entry)) = take_set(world, locks, who, &plan, &[], faults).await {
-                work_set(world, locks, &guard, &entry, rng, faults).await;
-                leave_set(world, guard, entry, rng, faults).await;
-            }
-        }
-        // A set inside a single hold, mostly of one of its keys; released in a random order.
-        3 => {
-            let mut outer = Plan::random(rng, world.features);
-            outer.reentrant = rng.u8(..8) != 0;
-            if rng.u8(..4) != 0 {
-                outer.key = keys[rng.usize(..keys.len())];
-            }
-            let plan = SetPlan {
-                reentrant: rng.u8(..8) != 0,
-                ..plan
-            };
-            distlock::scope(async {
-                let Some((guard, entry)) = take(world, locks, who, outer, faults).await else {
-                    return;
-                };
-                let inside = [Inside::single(outer.key, outer.held_as(), &guard)];
-                let set = take_set(world, locks, who, &plan, &inside, faults).await;
-                work(&guard, &entry, rng).await;
-                match set {
-                    Some((set, set_entry)) if rng.bool() => {
-                        leave(world, guard, entry, rng, faults).await;
-                        leave_set(world, set, set_entry, rng, faults).await;
-                    }
-                    Some((set, set_entry)) => {
-                        leave_set(world, set, set_entry, rng, faults).await;
-                        leave(world, guard, entry, rng, faults).await;
-                    }
-                    None => leave(world, guard, entry, rng, faults).await,
-                }
-            })
-            .await;
-        }
-        // A single hold inside a set, mostly of one of its keys (a nested hold of the set's
-        // lock, a read one a downgrade); released in a random order.
-        4 => {
-            let plan = SetPlan {
-                reentrant: rng.u8(..8) != 0,
-                ..plan
-            };
-            let mut inner = Plan::random(rng, world.features);
-            if rng.u8(..4) != 0 {
-                inner.key = keys[rng.usize(..keys.len())];
-            }
-            let reentered = keys.contains(&inner.key);
-            let inner = Plan {
-                reentrant: rng.u8(..8) != 0,
-                min_hold: None,
-                fair: inner.fair && !reentered,
-                downgrade: reentered && inner.kind == Kind::Read,
-                ..inner
-            };
-            distlock::scope(async {
-                let Some((set, set_entry)) = take_set(world, locks, who, &plan, &[], faults).await
-                else {
-                    return;
-                };
-                let nested = take(world, locks, who, inner, faults).await;
-                work_set(world, locks, &set, &set_entry, rng, faults).await;
-                match nested {
-                    Some((guard, entry)) if rng.bool() => {
-                        leave_set(world, set, set_entry, rng, faults).await;
-                        leave(world, guard, entry, rng, faults).await;
-                    }
-                    Some((guard, entry)) => {
-                        leave(world, guard, entry, rng, faults).await;
-                        leave_set(world, set, set_entry, rng, faults).await;
-                    }
-                    None => leave_set(world, set, set_entry, rng, faults).await,
-                }
-            })
-            .await;
-        }
-        // A set inside a set: the keys they share are nested holds of the outer set.
-        5 => {
-            let plan = SetPlan {
-                reentrant: rng.u8(..8) != 0,
-                ..plan
-            };
-            let inner = SetPlan {
-                reentrant: rng.u8(..8) != 0,
-                ..SetPlan::random(rng, world.features, faults)
-            };
-            distlock::scope(async {
-                let Some((outer, outer_entry)) =
-                    take_set(world, locks, who, &plan, &[], faults).await
-                else {
-                    return;
-                };
-                let inside = Inside::and_set(&[], &outer, &keys);
-                let set = take_set(world, locks, who, &inner, &inside, faults).await;
-                work_set(world, locks, &outer, &outer_entry, rng, faults).await;
-                match set {
-                    Some((set, set_entry)) if rng.bool() => {
-                        leave_set(world, outer, outer_entry, rng, faults).await;
-                        leave_set(world, set, set_entry, rng, faults).await;
-                    }
-                    Some((set, set_entry)) => {
-                        leave_set(world, set, set_entry, rng, faults).await;
-                        leave_set(world, outer, outer_entry, rng, faults).await;
-                    }
-                    None => leave_set(world, outer, outer_entry, rng, faults).await,
-                }
-            })
-            .await;
-        }
-        // Sibling futures of one task, each in its own scope: a set beside a single hold of
-        // one of its keys or beside another set, separate owners that exclude each other.
-        6 => {
-            let (mut left_rng, mut right_rng) = (rng.fork(), rng.fork());
-            let mut single = Plan::random(rng, world.features);
-            single.key = keys[rng.usize(..keys.len())];
-            let other = rng
-                .bool()
-                .then(|| SetPlan::random(rng, world.features, faults));
-            let (who_l, who_r) = (format!("{who}/left"), format!("{who}/right"));
-            let left = distlock::scope(async {
-                if let Some((g, e)) = take_set(world, locks, &who_l, &plan, &[], faults).await {
-                    work_set(world, locks, &g, &e, &mut left_rng, faults).await;
-                    leave_set(world, g, e, &mut left_rng, faults).await;
-                }
-            });
-            let right = distlock::scope(async {
-                if let Some(other) = &other {
-                    if let Some((g, e)) = take_set(world, locks, &who_r, other, &[], faults).await {
-                        work_set(world, locks, &g, &e, &mut right_rng, faults).await;
-                        leave_set(world, g, e, &mut right_rng, faults).await;
-                    }
-                } else if let Some((g, e)) = take(world, locks, &who_r, single, faults).await {
-                    work(&g, &e, &mut right_rng).await;
-                    leave(world, g, e, &mut right_rng, faults).await;
-                }
-            });
-            tokio::join!(left, right);
-        }
-        // An annotated set re-entering itself, maybe inside a single hold of one of its keys.
-        7 => {
-            let (first, second) = (keys[0], keys[1]);
-            let depth = rng.u32(..3);
-            let mut outer = Plan::random(rng, world.features);
-            outer.key = first;
-            let outer = Plan {
-                kind: Kind::Exclusive,
-                reentrant: true,
-                ..outer
-            };
-            let inside_a_hold = rng.bool();
-            let result = distlock::scope(async {
-                if !inside_a_hold {
-                    return Some(annotated_set(locks, world, first, second, &[], depth).await);
-                }
-                let (guard, entry) = take(world, locks, who, outer, faults).await?;
-                let inside = [Inside::single(first, Kind::Exclusive, &guard)];
-                let call = annotated_set(locks, world, first, second, &inside, depth);
-                let result = world.bounded("annotated set", call).await;
-                leave(world, guard, entry, rng, faults).await;
-                result
-            });
-            if let Some(Err(error)) = world.bounded("annotated set", result).await.flatten()
-                && !expected(&error, faults)
-            {
-                world
-                    .history
-                    .violation(format!("error: annotated set: unexpected {error:?}"));
-            }
-        }
-        // An acquisition cancelled at a random point.
-        8 => {
-            let cancel_after = Duration::from_micros(rng.u64(0..3_000));
-            let request = plan.request(locks).wait(Duration::from_millis(50));
-            if let Ok(Ok(guard)) = tokio::time::timeout(cancel_after, request.acquire()).await {
-                let entry = enter_set(world, who, &keys, &[], &guard);
-                leave_set(world, guard, entry, rng, faults).await;
-            }
-        }
-        // Leases held past their ttl by the watchdog: every lock of the set renewed.
-        9 | 10 => {
-            let plan = SetPlan {
-                ttl: Duration::from_millis(150),
-                watchdog: true,
-                ..plan
-            };
-            if let Some((guard, entry)) = take_set(world, locks, who, &plan, &[], faults).await {
-                for _ in 0..rng.u8(1..5) {
-                    tokio::time::sleep(Duration::from_millis(40)).await;
-                    entry.refresh(&guard);
-                    world.check_set_lease(locks, &keys, &guard).await;
-                }
-                leave_set(world, guard, entry, rng, faults).await;
-            }
-        }
-        // A body that panics while holding a set.
-        _ => {
-            let (world2, locks2, who2) = (world.clone(), locks.clone(), who.to_owned());
-            let holder = tokio::spawn(async move {
-                let held = take_set(&world2, &locks2, &who2, &plan, &[], faults).await;
-                if let Some((_guard, _entry)) = held {
-                    panic!("a body panics while holding the set {:?}", plan.names);
-                }
-            });
-            let _ = world.bounded("panicking holder of a set", holder).await;
-        }
+        0..=2 => set_alone(world, locks, who, &plan, rng, faults).await,
+        3 => set_inside_a_hold(world, locks, who, plan, rng, faults).await,
+        4 => hold_inside_a_set(world, locks, who, plan, rng, faults).await,
+        5 => set_inside_a_set(world, locks, who, plan, rng, faults).await,
+        6 => set_beside_a_sibling(world, locks, who, &plan, rng, faults).await,
+        7 => annotated_sets(world, locks, who, &plan, rng, faults).await,
+        8 => set_cancelled(world, locks, who, &plan, rng, faults).await,
+        9 | 10 => set_renewed(world, locks, who, plan, rng, faults).await,
+        _ => set_held_by_a_panic(world, locks, who, plan, faults).await,
     }
+}
+
+/// A set alone, maybe extended.
+async fn set_alone(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: &SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    if let Some((guard, entry)) = take_set(world, locks, who, plan, &[], faults).await {
+        work_set(world, locks, &guard, &entry, rng, faults).await;
+        leave_set(world, guard, entry, rng, faults).await;
+    }
+}
+
+/// A set inside a single hold, mostly of one of its keys (re-entered: a nested hold of the
+/// single lock, or refused when either is not reentrant or the hold is shared); released in a
+/// random order.
+async fn set_inside_a_hold(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let keys = plan.keys();
+    let mut outer = Plan::random(rng, world.features);
+    outer.reentrant = rng.u8(..8) != 0;
+    if rng.u8(..4) != 0 {
+        outer.key = keys[rng.usize(..keys.len())];
+    }
+    let plan = SetPlan {
+        reentrant: rng.u8(..8) != 0,
+        ..plan
+    };
+    distlock::scope(async {
+        let Some((guard, entry)) = take(world, locks, who, outer, faults).await else {
+            return;
+        };
+        let inside = [Inside::single(outer.key, outer.held_as(), &guard)];
+        let set = take_set(world, locks, who, &plan, &inside, faults).await;
+        work(&guard, &entry, rng).await;
+        match set {
+            Some((set, set_entry)) if rng.bool() => {
+                leave(world, guard, entry, rng, faults).await;
+                leave_set(world, set, set_entry, rng, faults).await;
+            }
+            Some((set, set_entry)) => {
+                leave_set(world, set, set_entry, rng, faults).await;
+                leave(world, guard, entry, rng, faults).await;
+            }
+            None => leave(world, guard, entry, rng, faults).await,
+        }
+    })
+    .await;
+}
+
+/// A single hold inside a set, mostly of one of its keys (a nested hold of the set's lock, a
+/// read one a downgrade); released in a random order.
+async fn hold_inside_a_set(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let keys = plan.keys();
+    let plan = SetPlan {
+        reentrant: rng.u8(..8) != 0,
+        ..plan
+    };
+    let mut inner = Plan::random(rng, world.features);
+    if rng.u8(..4) != 0 {
+        inner.key = keys[rng.usize(..keys.len())];
+    }
+    let reentered = keys.contains(&inner.key);
+    let inner = Plan {
+        reentrant: rng.u8(..8) != 0,
+        min_hold: None,
+        fair: inner.fair && !reentered,
+        downgrade: reentered && inner.kind == Kind::Read,
+        ..inner
+    };
+    distlock::scope(async {
+        let Some((set, set_entry)) = take_set(world, locks, who, &plan, &[], faults).await else {
+            return;
+        };
+        let nested = take(world, locks, who, inner, faults).await;
+        work_set(world, locks, &set, &set_entry, rng, faults).await;
+        match nested {
+            Some((guard, entry)) if rng.bool() => {
+                leave_set(world, set, set_entry, rng, faults).await;
+                leave(world, guard, entry, rng, faults).await;
+            }
+            Some((guard, entry)) => {
+                leave(world, guard, entry, rng, faults).await;
+                leave_set(world, set, set_entry, rng, faults).await;
+            }
+            None => leave_set(world, set, set_entry, rng, faults).await,
+        }
+    })
+    .await;
+}
+
+/// A set inside a set: the keys they share are nested holds of the outer set; released in a
+/// random order.
+async fn set_inside_a_set(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let keys = plan.keys();
+    let plan = SetPlan {
+        reentrant: rng.u8(..8) != 0,
+        ..plan
+    };
+    let inner = SetPlan {
+        reentrant: rng.u8(..8) != 0,
+        ..SetPlan::random(rng, world.features, faults)
+    };
+    distlock::scope(async {
+        let Some((outer, outer_entry)) = take_set(world, locks, who, &plan, &[], faults).await
+        else {
+            return;
+        };
+        let inside = Inside::and_set(&[], &outer, &keys);
+        let set = take_set(world, locks, who, &inner, &inside, faults).await;
+        work_set(world, locks, &outer, &outer_entry, rng, faults).await;
+        match set {
+            Some((set, set_entry)) if rng.bool() => {
+                leave_set(world, outer, outer_entry, rng, faults).await;
+                leave_set(world, set, set_entry, rng, faults).await;
+            }
+            Some((set, set_entry)) => {
+                leave_set(world, set, set_entry, rng, faults).await;
+                leave_set(world, outer, outer_entry, rng, faults).await;
+            }
+            None => leave_set(world, outer, outer_entry, rng, faults).await,
+        }
+    })
+    .await;
+}
+
+/// Sibling futures of one task, each in its own scope: a set beside a single hold of one of
+/// its keys or beside another set, separate owners that exclude each other.
+async fn set_beside_a_sibling(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: &SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let keys = plan.keys();
+    let (mut left_rng, mut right_rng) = (rng.fork(), rng.fork());
+    let mut single = Plan::random(rng, world.features);
+    single.key = keys[rng.usize(..keys.len())];
+    let other = rng
+        .bool()
+        .then(|| SetPlan::random(rng, world.features, faults));
+    let (who_l, who_r) = (format!("{who}/left"), format!("{who}/right"));
+    let left = distlock::scope(async {
+        if let Some((g, e)) = take_set(world, locks, &who_l, plan, &[], faults).await {
+            work_set(world, locks, &g, &e, &mut left_rng, faults).await;
+            leave_set(world, g, e, &mut left_rng, faults).await;
+        }
+    });
+    let right = distlock::scope(async {
+        if let Some(other) = &other {
+            if let Some((g, e)) = take_set(world, locks, &who_r, other, &[], faults).await {
+                work_set(world, locks, &g, &e, &mut right_rng, faults).await;
+                leave_set(world, g, e, &mut right_rng, faults).await;
+            }
+        } else if let Some((g, e)) = take(world, locks, &who_r, single, faults).await {
+            work(&g, &e, &mut right_rng).await;
+            leave(world, g, e, &mut right_rng, faults).await;
+        }
+    });
+    tokio::join!(left, right);
+}
+
+/// An annotated set re-entering itself, maybe inside a single hold of one of its keys.
+async fn annotated_sets(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: &SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let keys = plan.keys();
+    let (first, second) = (keys[0], keys[1]);
+    let depth = rng.u32(..3);
+    let mut outer = Plan::random(rng, world.features);
+    outer.key = first;
+    let outer = Plan {
+        kind: Kind::Exclusive,
+        reentrant: true,
+        ..outer
+    };
+    let inside_a_hold = rng.bool();
+    let result = distlock::scope(async {
+        if !inside_a_hold {
+            return Some(annotated_set(locks, world, first, second, &[], depth).await);
+        }
+        let (guard, entry) = take(world, locks, who, outer, faults).await?;
+        let inside = [Inside::single(first, Kind::Exclusive, &guard)];
+        let call = annotated_set(locks, world, first, second, &inside, depth);
+        let result = world.bounded("annotated set", call).await;
+        leave(world, guard, entry, rng, faults).await;
+        result
+    });
+    if let Some(Err(error)) = world.bounded("annotated set", result).await.flatten()
+        && !expected(&error, faults)
+    {
+        world
+            .history
+            .violation(format!("error: annotated set: unexpected {error:?}"));
+    }
+}
+
+/// A set's acquisition cancelled at a random point.
+async fn set_cancelled(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: &SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let cancel_after = Duration::from_micros(rng.u64(0..3_000));
+    let request = plan.request(locks).wait(Duration::from_millis(50));
+    if let Ok(Ok(guard)) = tokio::time::timeout(cancel_after, request.acquire()).await {
+        let entry = enter_set(world, who, &plan.keys(), &[], &guard);
+        leave_set(world, guard, entry, rng, faults).await;
+    }
+}
+
+/// A set held past its ttl by the watchdog: every lock of the set renewed.
+async fn set_renewed(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let plan = SetPlan {
+        ttl: Duration::from_millis(150),
+        watchdog: true,
+        ..plan
+    };
+    if let Some((guard, entry)) = take_set(world, locks, who, &plan, &[], faults).await {
+        for _ in 0..rng.u8(1..5) {
+            tokio::time::sleep(Duration::from_millis(40)).await;
+            entry.refresh(&guard);
+            world.check_set_lease(locks, &plan.keys(), &guard).await;
+        }
+        leave_set(world, guard, entry, rng, faults).await;
+    }
+}
+
+/// A body that panics while holding a set.
+async fn set_held_by_a_panic(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: SetPlan,
+    faults: bool,
+) {
+    let (world2, locks2, who2) = (world.clone(), locks.clone(), who.to_owned());
+    let holder = tokio::spawn(async move {
+        let held = take_set(&world2, &locks2, &who2, &plan, &[], faults).await;
+        if let Some((_guard, _entry)) = held {
+            panic!("a body panics while holding the set {:?}", plan.names);
+        }
+    });
+    let _ = world.bounded("panicking holder of a set", holder).await;
 }
 
 /// Campaigns in the election named after `plan.key`, leads for a moment and resigns (or drops
