@@ -1,23 +1,31 @@
 //! The randomized history checker.
 //!
 //! Several managers (as if several processes) × many tasks run seeded random programs on a
-//! handful of keys: every lock kind on the same keys, nested and sibling holds, try and wait,
-//! extend, watchdog, `min_hold`, annotated calls, cancellation at random points, guards
-//! dropped instead of released, panics in bodies, runtimes and managers shut down while
-//! their tasks hold locks. Every entry and exit goes to one history, which checks:
+//! handful of keys: every lock kind on the same keys, sets of 2–4 of those keys taken
+//! together (`lock_all`), nested and sibling holds, try and wait, extend, watchdog,
+//! `min_hold`, annotated calls, cancellation at random points, guards dropped instead of
+//! released, panics in bodies, runtimes and managers shut down while their tasks hold locks.
+//! Sets meet everything else: single holds inside sets and sets inside single holds and
+//! other sets (a key held already is re-entered, a nested hold of its outer holder), sets
+//! beside sibling holds, annotated sets, sets cancelled while they wait. Every entry and exit
+//! goes to one history, which checks:
 //!
 //! * the compatibility matrix, ever: only read + read and up to `PERMITS` permits overlap
-//!   (holds of one owner never conflict with themselves). A lock is a lease, so a holder only
-//!   counts until the conservative bound its guard gave (`remaining()`); an entry while a
-//!   conflicting holder's bound has not passed is an overlap;
+//!   (holds of one owner never conflict with themselves). A set is an exclusive hold of each
+//!   of its keys, entered and left together. A lock is a lease, so a holder only counts until
+//!   the conservative bound its guard gave (`remaining()`; a set's, the shortest of its
+//!   leases); an entry while a conflicting holder's bound has not passed is an overlap;
 //! * every call ends: each await is bounded, and running past the bound is a violation;
-//! * `remaining()` never exceeds what the server has left of the lease (PTTL);
+//! * `remaining()` never exceeds what the server has left of the lease (PTTL): of every lock
+//!   a set took;
 //! * nothing is left at the end: no lock keys (fencing counters stay by design), no
 //!   subscribed channel, no local waiter, no lease under the watchdog;
 //! * liveness: a monitor samples every key while the programs run. A key that is free in
 //!   Redis while some request sleeps in `acquire()` for it, with nobody entering it, for
 //!   longer than `STARVED` (plus any injected fault window the stretch overlaps and a
-//!   recovery after it) is a violation;
+//!   recovery after it) is a violation. A set waits for all its keys at once: every one of
+//!   them free in Redis together for that long, none entered, while the set sleeps, is a
+//!   violation;
 //! * steals: some programs have their own lock taken away while they hold it (a forced
 //!   release through the inspector, a `DEL` of the key, a lease run out by a pause past a
 //!   short `ttl`). The old holder's `extend`, `is_held` and (without faults) `release` must
@@ -38,12 +46,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use distlock::testing::{Fault, FaultProxy, RedisServer};
-use distlock::{LockError, LockGuard, LockManager, LockRequest, distributed_lock};
+use distlock::{
+    LockError, LockGuard, LockManager, LockRequest, MultiGuard, MultiLockRequest, distributed_lock,
+};
 
 use crate::support;
 
-/// The keys every program works on: few, so that programs meet.
-const KEYS: [&str; 3] = ["a", "b", "c"];
+/// The keys every program works on: few, so that programs meet; four, so that a set can
+/// name every one.
+const KEYS: [&str; 4] = ["a", "b", "c", "d"];
 /// The permits of every semaphore (all users of a key must agree).
 const PERMITS: u32 = 2;
 /// No call may take longer than this: past it, the call counts as hung.
@@ -137,8 +148,9 @@ struct State {
     /// master, which the topology does not promise to survive.
     void_before: Option<Instant>,
     excused: u64,
-    /// Requests sleeping in `acquire()` right now, by id: key, since when, who.
-    waiting: HashMap<u64, (String, Instant, String)>,
+    /// Requests sleeping in `acquire()` right now, by id: their keys (several for a set,
+    /// which can only enter once every one is free), since when, who.
+    waiting: HashMap<u64, (Vec<String>, Instant, String)>,
     next_waiter: u64,
     /// When a key was last entered.
     last_entry: HashMap<String, Instant>,
@@ -151,6 +163,9 @@ struct State {
     elections: u64,
     /// Entries by a cohort's local pass (no server command).
     local_passes: u64,
+    /// Sets entered (each one acquisition), and the keys they held.
+    sets: u64,
+    set_keys: u64,
     /// Holds taken away from their holders, by token: when.
     robbed: HashMap<String, Instant>,
     /// Each key's fencing tokens, and when their holds left (see `History::fenced`).
@@ -175,6 +190,84 @@ struct Holder {
     capped: bool,
 }
 
+/// What the history reads of a granted hold: a `LockGuard`'s, or a set's hold of one of its
+/// keys.
+trait Granted {
+    fn token(&self) -> &str;
+    fn remaining(&self) -> Duration;
+    fn local_passes(&self) -> u32;
+    fn fencing_token(&self) -> Option<u64>;
+    fn ttl(&self) -> Duration;
+    fn waited(&self) -> Duration;
+    /// Whether entering it counts as an acquisition (a set counts once, not once per key).
+    fn counts(&self) -> bool {
+        true
+    }
+}
+
+impl Granted for LockGuard {
+    fn token(&self) -> &str {
+        LockGuard::token(self)
+    }
+    fn remaining(&self) -> Duration {
+        LockGuard::remaining(self)
+    }
+    fn local_passes(&self) -> u32 {
+        LockGuard::local_passes(self)
+    }
+    fn fencing_token(&self) -> Option<u64> {
+        LockGuard::fencing_token(self)
+    }
+    fn ttl(&self) -> Duration {
+        LockGuard::ttl(self)
+    }
+    fn waited(&self) -> Duration {
+        LockGuard::waited(self)
+    }
+}
+
+/// A set's hold of one of its keys: exclusive, owned by the set's token; or, for a key the
+/// set re-entered, the hold of that key's outer holder (its owner, its place in a cohort's
+/// run, its kind).
+#[derive(Debug)]
+struct SetHold {
+    key: &'static str,
+    owner: String,
+    passes: u32,
+    kind: Kind,
+}
+
+/// One key of a granted set, as the history reads it.
+struct SetKeyGrant<'g> {
+    set: &'g MultiGuard,
+    hold: &'g SetHold,
+    first: bool,
+}
+
+impl Granted for SetKeyGrant<'_> {
+    fn token(&self) -> &str {
+        &self.hold.owner
+    }
+    fn remaining(&self) -> Duration {
+        self.set.remaining()
+    }
+    fn local_passes(&self) -> u32 {
+        self.hold.passes
+    }
+    fn fencing_token(&self) -> Option<u64> {
+        self.set.fencing_token(self.hold.key)
+    }
+    fn ttl(&self) -> Duration {
+        self.set.ttl()
+    }
+    fn waited(&self) -> Duration {
+        self.set.waited()
+    }
+    fn counts(&self) -> bool {
+        self.first
+    }
+}
+
 impl History {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -190,7 +283,7 @@ impl History {
     }
 
     /// `guard` was just granted: check it against everyone inside.
-    fn enter(self: &Arc<Self>, who: &str, key: &str, kind: Kind, guard: &LockGuard) -> Entry {
+    fn enter(self: &Arc<Self>, who: &str, key: &str, kind: Kind, guard: &impl Granted) -> Entry {
         self.enter_asked(who, key, kind, guard, None)
     }
 
@@ -203,7 +296,7 @@ impl History {
         who: &str,
         key: &str,
         kind: Kind,
-        guard: &LockGuard,
+        guard: &impl Granted,
         asked: Option<Instant>,
     ) -> Entry {
         let now = Instant::now();
@@ -211,7 +304,7 @@ impl History {
         let owner = guard.token().to_owned();
         let holder = format!("{owner}#{}", guard.local_passes());
         let mut state = self.lock();
-        state.acquisitions += 1;
+        state.acquisitions += u64::from(guard.counts());
         state.local_passes += u64::from(guard.local_passes() > 0);
         let event = format!(
             "{:?} #{} {who} enters {key} as {kind:?} (owner {}, valid {:?})",
@@ -231,11 +324,15 @@ impl History {
             .filter(|h| h.holder != holder && h.valid_until > now && lost_in_failover(h))
             .count();
         state.excused += excused as u64;
+        // An entry whose lease is known lost already (a hold nested in an outer hold that ran
+        // out meanwhile: a set re-entering it, say) is promised nothing: it conflicts with
+        // nobody.
         let live: Vec<(Kind, String)> = state
             .holders
             .get(key)
             .into_iter()
             .flatten()
+            .filter(|_| valid_until > now)
             .filter(|h| h.holder != holder && h.valid_until > now && !lost_in_failover(h))
             .map(|h| (h.kind, h.holder.clone()))
             .collect();
@@ -327,6 +424,36 @@ impl History {
         }
     }
 
+    /// The set `guard` was just granted: a hold of each of its `keys` (key, owner, kind), each
+    /// checked against everyone inside as a single hold is.
+    fn enter_set(self: &Arc<Self>, who: &str, holds: &[SetHold], guard: &MultiGuard) -> SetEntry {
+        let entries = holds
+            .iter()
+            .enumerate()
+            .map(|(at, hold)| {
+                let grant = SetKeyGrant {
+                    set: guard,
+                    hold,
+                    first: at == 0,
+                };
+                self.enter(who, hold.key, hold.kind, &grant)
+            })
+            .collect();
+        let mut state = self.lock();
+        state.sets += 1;
+        state.set_keys += holds.len() as u64;
+        let own = guard.token();
+        SetEntry {
+            history: self.clone(),
+            entries,
+            owners: holds.iter().map(|hold| hold.owner.clone()).collect(),
+            own_keys: (holds.iter())
+                .filter(|hold| hold.owner == own)
+                .map(|hold| hold.key)
+                .collect(),
+        }
+    }
+
     /// A new leader of the election whose lock is `key` has `term`: larger than the term of
     /// every leader that had left before this one began to campaign (`asked`), unless a
     /// failover may have lost the counter.
@@ -386,12 +513,19 @@ impl History {
 
     /// A request starts sleeping in `acquire()` for `key`; it stops when this is dropped.
     fn waits(self: &Arc<Self>, who: &str, key: &str) -> Waiting {
+        self.waits_all(who, &[key])
+    }
+
+    /// A request starts sleeping in `acquire()` until every one of `keys` is free at once (a
+    /// set); it stops when this is dropped.
+    fn waits_all(self: &Arc<Self>, who: &str, keys: &[&str]) -> Waiting {
+        let keys = keys.iter().map(|&key| key.to_owned()).collect();
         let mut state = self.lock();
         let id = state.next_waiter;
         state.next_waiter += 1;
         state
             .waiting
-            .insert(id, (key.to_owned(), Instant::now(), who.to_owned()));
+            .insert(id, (keys, Instant::now(), who.to_owned()));
         Waiting {
             history: self.clone(),
             id,
@@ -425,11 +559,13 @@ impl History {
     fn report(&self, seed: u64, topology: &str) {
         let state = self.lock();
         println!(
-            "history [{topology}] seed {seed}: {} acquisitions ({} by local pass, {} leaders \
-             elected), {} lease checks, {} steals, {} liveness samples, {} faults injected, {} \
-             violations{}",
+            "history [{topology}] seed {seed}: {} acquisitions ({} by local pass, {} sets of {} \
+             keys, {} leaders elected), {} lease checks, {} steals, {} liveness samples, {} \
+             faults injected, {} violations{}",
             state.acquisitions,
             state.local_passes,
+            state.sets,
+            state.set_keys,
             state.elections,
             state.lease_checks,
             state.steals,
@@ -489,7 +625,12 @@ struct Entry {
 impl Entry {
     /// The guard's lease moved on (extend, renewal): so does the bound.
     fn refresh(&self, guard: &LockGuard) {
-        let until = Instant::now() + guard.remaining();
+        self.refresh_by(guard.remaining());
+    }
+
+    /// The hold is valid for `remaining` more.
+    fn refresh_by(&self, remaining: Duration) {
+        let until = Instant::now() + remaining;
         let mut state = self.history.lock();
         if let Some(holder) = state
             .holders
@@ -552,6 +693,36 @@ impl Drop for Entry {
         }
         let event = format!("{:?} #{} leaves {}", Instant::now(), self.id, self.key);
         push_recent(&mut state, event);
+    }
+}
+
+/// Being inside a set: a hold of each of its keys. Dropped (every exit recorded) before the
+/// guard is released or dropped.
+struct SetEntry {
+    history: Arc<History>,
+    entries: Vec<Entry>,
+    /// The owner of each key's hold (the set's token, or an outer hold's).
+    owners: Vec<String>,
+    /// The keys the set took itself (not re-entered).
+    own_keys: Vec<&'static str>,
+}
+
+impl SetEntry {
+    /// The set's leases moved on (extend, renewal): so do the bounds.
+    fn refresh(&self, guard: &MultiGuard) {
+        for entry in &self.entries {
+            entry.refresh_by(guard.remaining());
+        }
+    }
+
+    /// The set asked for leases of `ttl` (an extend, which reaches the holds it re-entered
+    /// too): its keys may live that long.
+    fn extended(&self, ttl: Duration) {
+        let mut state = self.history.lock();
+        for owner in &self.owners {
+            let cap = state.lease_caps.entry(owner.clone()).or_default();
+            *cap = (*cap).max(ttl);
+        }
     }
 }
 
@@ -679,11 +850,39 @@ impl World {
             return; // a robbed hold, passed on (see `History::enter`)
         }
         let lease_key = kind.lease_key(locks, key, guard.token());
+        let what = format!("{key} as {kind:?}");
+        self.check_pttl(&what, &lease_key, || guard.remaining(), || guard.is_lost())
+            .await;
+    }
+
+    /// A set's `remaining()` must never promise more than the server still has of any lock
+    /// the set took itself (`keys`).
+    async fn check_set_lease(&self, locks: &LockManager, keys: &[&str], guard: &MultiGuard) {
+        if !self.check_leases {
+            return;
+        }
+        for key in keys {
+            let what = format!("{key} in the set {:?}", guard.keys());
+            let lease_key = Kind::Exclusive.lease_key(locks, key, guard.token());
+            self.check_pttl(&what, &lease_key, || guard.remaining(), || guard.is_lost())
+                .await;
+        }
+    }
+
+    /// What a guard says is `remaining` of its lease is no more than the PTTL of `lease_key`
+    /// (unless the lease is `lost` by the time the answer is in).
+    async fn check_pttl(
+        &self,
+        what: &str,
+        lease_key: &str,
+        remaining: impl Fn() -> Duration,
+        lost: impl Fn() -> bool,
+    ) {
         let started = Instant::now();
-        let remaining = guard.remaining();
+        let remaining = remaining();
         let mut raw = self.raw.clone();
         let pttl: Result<i64, _> = redis::cmd("PTTL")
-            .arg(&lease_key)
+            .arg(lease_key)
             .query_async(&mut raw)
             .await;
         let Ok(pttl) = pttl else {
@@ -693,12 +892,12 @@ impl World {
         let slack = started.elapsed() + Duration::from_millis(1);
         let server = u64::try_from(pttl).ok().map(Duration::from_millis);
         match server {
-            _ if remaining.is_zero() || guard.is_lost() => {}
+            _ if remaining.is_zero() || lost() => {}
             None => self.history.violation(format!(
-                "lease: {key} as {kind:?} reports {remaining:?} left but the server has PTTL {pttl}"
+                "lease: {what} reports {remaining:?} left but the server has PTTL {pttl}"
             )),
             Some(server) if remaining > server + slack => self.history.violation(format!(
-                "lease: {key} as {kind:?} reports {remaining:?} left, the server only {server:?}"
+                "lease: {what} reports {remaining:?} left, the server only {server:?}"
             )),
             Some(_) => {}
         }
@@ -787,6 +986,112 @@ impl Plan {
             request = request.min_hold(min_hold.min(self.ttl));
         }
         request
+    }
+}
+
+/// The request options of a set a program picked.
+#[derive(Debug, Clone)]
+struct SetPlan {
+    /// 2–4 keys of the pool, as listed: now and then one is named twice (a set takes it once).
+    names: Vec<&'static str>,
+    ttl: Duration,
+    wait: Option<Duration>,
+    fencing: bool,
+    watchdog: bool,
+    reentrant: bool,
+    retry_delay: Duration,
+}
+
+impl SetPlan {
+    fn random(rng: &mut fastrand::Rng, features: Features, faults: bool) -> Self {
+        let mut pool = KEYS;
+        rng.shuffle(&mut pool);
+        let mut names = pool[..rng.usize(2..=4)].to_vec();
+        if rng.u8(..8) == 0 {
+            names.push(names[rng.usize(..names.len())]);
+            rng.shuffle(&mut names);
+        }
+        let choices = if features.short_leases { 3 } else { 4 };
+        let ttl = [150, 400, 2_000, 10_000][rng.usize(..choices)];
+        // A set needs every key free at once: most of them wait.
+        let wait = (rng.u8(..4) != 0).then(|| match rng.u8(..5) {
+            0 => Duration::from_millis(rng.u64(300..1_500)),
+            _ => Duration::from_millis(rng.u64(1..300)),
+        });
+        // As for single locks: some patient sets depend on wake-ups (see `Plan`).
+        let patient = !faults && wait.is_some_and(|wait| wait >= Duration::from_millis(300));
+        Self {
+            names,
+            ttl: Duration::from_millis(ttl),
+            wait,
+            fencing: features.fencing && rng.u8(..4) == 0,
+            watchdog: rng.u8(..4) == 0,
+            reentrant: rng.bool(),
+            retry_delay: Duration::from_millis(if patient { 300 } else { 2 }),
+        }
+    }
+
+    /// The keys of the set, each once, in the order first named.
+    fn keys(&self) -> Vec<&'static str> {
+        let mut keys = Vec::with_capacity(self.names.len());
+        for name in &self.names {
+            if !keys.contains(name) {
+                keys.push(*name);
+            }
+        }
+        keys
+    }
+
+    fn request<'m>(&self, locks: &'m LockManager) -> MultiLockRequest<'m> {
+        let mut request = locks
+            .lock_all(self.names.iter().copied())
+            .ttl(self.ttl)
+            .fencing(self.fencing)
+            .watchdog(self.watchdog)
+            .reentrant(self.reentrant)
+            .retry_delay(self.retry_delay);
+        if let Some(wait) = self.wait {
+            request = request.wait(wait);
+        }
+        request
+    }
+}
+
+/// A hold the code runs inside: a set taken there re-enters its key (a nested hold of this
+/// owner, not the set's).
+#[derive(Debug, Clone)]
+struct Inside {
+    key: &'static str,
+    owner: String,
+    passes: u32,
+    kind: Kind,
+}
+
+impl Inside {
+    /// A single hold of `key`, recorded as `kind`.
+    fn single(key: &'static str, kind: Kind, guard: &LockGuard) -> Self {
+        Self {
+            key,
+            owner: guard.token().to_owned(),
+            passes: guard.local_passes(),
+            kind,
+        }
+    }
+
+    /// `outer` and the keys of `set` that no hold of `outer` has: the holds inside both.
+    fn and_set(outer: &[Self], set: &MultiGuard, keys: &[&'static str]) -> Vec<Self> {
+        let mut inside = outer.to_vec();
+        for &key in keys {
+            if inside.iter().all(|held| held.key != key) {
+                inside.push(Self {
+                    key,
+                    owner: set.token().to_owned(),
+                    passes: 0,
+                    kind: Kind::Exclusive,
+                });
+            }
+        }
+        inside
     }
 }
 
@@ -917,6 +1222,11 @@ async fn annotated(
 async fn program(world: World, locks: LockManager, who: String, seed: u64, ops: u32, faults: bool) {
     let mut rng = fastrand::Rng::with_seed(seed);
     for _ in 0..ops {
+        // Now and then a set of keys, among the single holds of the same keys.
+        if rng.u8(..6) == 0 {
+            sets(&world, &locks, &who, &mut rng, faults).await;
+            continue;
+        }
         let mut plan = Plan::random(&mut rng, world.features);
         if !faults
             && plan
@@ -1080,6 +1390,493 @@ async fn program(world: World, locks: LockManager, who: String, seed: u64, ops: 
             _ => shut_down_a_runtime(&world, &locks, &who, plan, faults).await,
         }
     }
+}
+
+/// Takes the set `plan` inside the holds `inside`; on success the caller is inside every key.
+async fn take_set(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: &SetPlan,
+    inside: &[Inside],
+    faults: bool,
+) -> Option<(MultiGuard, SetEntry)> {
+    let keys = plan.keys();
+    // Keys held already are nested holds, granted (or refused) at once: the set waits for the
+    // others, all free at once.
+    let fresh: Vec<&'static str> = keys
+        .iter()
+        .copied()
+        .filter(|&key| inside.iter().all(|held| held.key != key))
+        .collect();
+    let attempt = plan.request(locks);
+    let result = if let Some(wait) = plan.wait {
+        let waiting = (!fresh.is_empty())
+            .then(|| world.history.waits_all(&format!("{who} {plan:?}"), &fresh));
+        let asked = Instant::now();
+        let result = world.bounded("acquire of a set", attempt.acquire()).await;
+        drop(waiting);
+        let took = asked.elapsed();
+        let overstay = if faults { OVERSTAY_FAULTS } else { OVERSTAY };
+        if took > wait + overstay {
+            world.history.violation(format!(
+                "wait: {who}'s acquire of {keys:?} with a wait of {wait:?} took {took:?}"
+            ));
+        }
+        result?.map(Some)
+    } else {
+        world
+            .bounded("try_acquire of a set", attempt.try_acquire())
+            .await?
+    };
+    match result {
+        Ok(Some(guard)) => {
+            if guard.keys() != keys {
+                world.history.violation(format!(
+                    "set: {who} asked for {:?} and holds {:?}",
+                    plan.names,
+                    guard.keys()
+                ));
+            }
+            let entry = enter_set(world, who, &keys, inside, &guard);
+            world.check_set_lease(locks, &fresh, &guard).await;
+            Some((guard, entry))
+        }
+        Ok(None) => None,
+        Err(error) => {
+            if !expected(&error, faults) {
+                world
+                    .history
+                    .violation(format!("error: {who} {plan:?}: unexpected {error:?}"));
+            }
+            None
+        }
+    }
+}
+
+/// Records the set `guard` of `keys`, taken inside `inside`: a key held there is re-entered
+/// (its outer hold's owner holds it), every other key is an exclusive hold of the set's token.
+fn enter_set(
+    world: &World,
+    who: &str,
+    keys: &[&'static str],
+    inside: &[Inside],
+    guard: &MultiGuard,
+) -> SetEntry {
+    let holds: Vec<SetHold> = keys
+        .iter()
+        .map(|&key| match inside.iter().find(|held| held.key == key) {
+            Some(outer) => SetHold {
+                key,
+                owner: outer.owner.clone(),
+                passes: outer.passes,
+                kind: outer.kind,
+            },
+            None => SetHold {
+                key,
+                owner: guard.token().to_owned(),
+                passes: 0,
+                kind: Kind::Exclusive,
+            },
+        })
+        .collect();
+    world.history.enter_set(who, &holds, guard)
+}
+
+/// Leaves a set: the exits are recorded, then the guard released (or dropped, or its release
+/// cancelled after a random time).
+async fn leave_set(
+    world: &World,
+    guard: MultiGuard,
+    entry: SetEntry,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    drop(entry);
+    match rng.u8(..10) {
+        0..=5 => {
+            if let Some(Err(error)) = world.bounded("release of a set", guard.release()).await
+                && !expected(&error, faults)
+            {
+                world
+                    .history
+                    .violation(format!("error: release of a set: unexpected {error:?}"));
+            }
+        }
+        6 | 7 => drop(guard),
+        _ => {
+            let cancel_after = Duration::from_micros(rng.u64(0..2_000));
+            let _ = tokio::time::timeout(cancel_after, guard.release()).await;
+        }
+    }
+}
+
+/// A set's critical section: a short random pause, refreshing the bounds on the way, and
+/// now and then an extend.
+async fn work_set(
+    world: &World,
+    locks: &LockManager,
+    guard: &MultiGuard,
+    entry: &SetEntry,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    for _ in 0..rng.u8(..3) {
+        tokio::time::sleep(Duration::from_micros(rng.u64(0..3_000))).await;
+        entry.refresh(guard);
+    }
+    if rng.u8(..4) == 0 {
+        let ttl = Duration::from_millis(rng.u64(1..3_000));
+        entry.extended(ttl);
+        if let Some(Err(error)) = world.bounded("extend of a set", guard.extend(ttl)).await
+            && !expected(&error, faults)
+        {
+            world
+                .history
+                .violation(format!("error: extend of a set: unexpected {error:?}"));
+        }
+        entry.refresh(guard);
+        world.check_set_lease(locks, &entry.own_keys, guard).await;
+    }
+}
+
+#[distributed_lock(keys = ["{first}", "{second}"], ttl = "2s", retries = 50, retry_delay = "2ms",
+    wait = "300ms", reentrant, guard = guard, manager = locks)]
+async fn annotated_set(
+    locks: &LockManager,
+    world: &World,
+    first: &'static str,
+    second: &'static str,
+    inside: &[Inside],
+    depth: u32,
+) -> Result<(), LockError> {
+    let keys = [first, second];
+    let _entry = enter_set(world, "annotated set", &keys, inside, guard);
+    if depth > 0 {
+        // Re-enters its own locks: nested holds of the same owners.
+        let inside = Inside::and_set(inside, guard, &keys);
+        Box::pin(annotated_set(
+            locks,
+            world,
+            first,
+            second,
+            &inside,
+            depth - 1,
+        ))
+        .await?;
+    }
+    tokio::task::yield_now().await;
+    Ok(())
+}
+
+/// Sets of 2–4 keys among the single holds on the same keys: alone, inside single holds and
+/// other sets (re-entering the keys they share), with single holds inside them, beside
+/// sibling holds, annotated, cancelled while they wait, renewed past their lease, and held by
+/// a body that panics.
+async fn sets(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let plan = SetPlan::random(rng, world.features, faults);
+    match rng.u8(..12) {
+        0..=2 => set_alone(world, locks, who, &plan, rng, faults).await,
+        3 => set_inside_a_hold(world, locks, who, plan, rng, faults).await,
+        4 => hold_inside_a_set(world, locks, who, plan, rng, faults).await,
+        5 => set_inside_a_set(world, locks, who, plan, rng, faults).await,
+        6 => set_beside_a_sibling(world, locks, who, &plan, rng, faults).await,
+        7 => annotated_sets(world, locks, who, &plan, rng, faults).await,
+        8 => set_cancelled(world, locks, who, &plan, rng, faults).await,
+        9 | 10 => set_renewed(world, locks, who, plan, rng, faults).await,
+        _ => set_held_by_a_panic(world, locks, who, plan, faults).await,
+    }
+}
+
+/// A set alone, maybe extended.
+async fn set_alone(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: &SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    if let Some((guard, entry)) = take_set(world, locks, who, plan, &[], faults).await {
+        work_set(world, locks, &guard, &entry, rng, faults).await;
+        leave_set(world, guard, entry, rng, faults).await;
+    }
+}
+
+/// A set inside a single hold, mostly of one of its keys (re-entered: a nested hold of the
+/// single lock, or refused when either is not reentrant or the hold is shared); released in a
+/// random order.
+async fn set_inside_a_hold(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let keys = plan.keys();
+    let mut outer = Plan::random(rng, world.features);
+    outer.reentrant = rng.u8(..8) != 0;
+    if rng.u8(..4) != 0 {
+        outer.key = keys[rng.usize(..keys.len())];
+    }
+    let plan = SetPlan {
+        reentrant: rng.u8(..8) != 0,
+        ..plan
+    };
+    distlock::scope(async {
+        let Some((guard, entry)) = take(world, locks, who, outer, faults).await else {
+            return;
+        };
+        let inside = [Inside::single(outer.key, outer.held_as(), &guard)];
+        let set = take_set(world, locks, who, &plan, &inside, faults).await;
+        work(&guard, &entry, rng).await;
+        match set {
+            Some((set, set_entry)) if rng.bool() => {
+                leave(world, guard, entry, rng, faults).await;
+                leave_set(world, set, set_entry, rng, faults).await;
+            }
+            Some((set, set_entry)) => {
+                leave_set(world, set, set_entry, rng, faults).await;
+                leave(world, guard, entry, rng, faults).await;
+            }
+            None => leave(world, guard, entry, rng, faults).await,
+        }
+    })
+    .await;
+}
+
+/// A single hold inside a set, mostly of one of its keys (a nested hold of the set's lock, a
+/// read one a downgrade); released in a random order.
+async fn hold_inside_a_set(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let keys = plan.keys();
+    let plan = SetPlan {
+        reentrant: rng.u8(..8) != 0,
+        ..plan
+    };
+    let mut inner = Plan::random(rng, world.features);
+    if rng.u8(..4) != 0 {
+        inner.key = keys[rng.usize(..keys.len())];
+    }
+    let reentered = keys.contains(&inner.key);
+    let inner = Plan {
+        reentrant: rng.u8(..8) != 0,
+        min_hold: None,
+        fair: inner.fair && !reentered,
+        downgrade: reentered && inner.kind == Kind::Read,
+        ..inner
+    };
+    distlock::scope(async {
+        let Some((set, set_entry)) = take_set(world, locks, who, &plan, &[], faults).await else {
+            return;
+        };
+        let nested = take(world, locks, who, inner, faults).await;
+        work_set(world, locks, &set, &set_entry, rng, faults).await;
+        match nested {
+            Some((guard, entry)) if rng.bool() => {
+                leave_set(world, set, set_entry, rng, faults).await;
+                leave(world, guard, entry, rng, faults).await;
+            }
+            Some((guard, entry)) => {
+                leave(world, guard, entry, rng, faults).await;
+                leave_set(world, set, set_entry, rng, faults).await;
+            }
+            None => leave_set(world, set, set_entry, rng, faults).await,
+        }
+    })
+    .await;
+}
+
+/// A set inside a set: the keys they share are nested holds of the outer set; released in a
+/// random order.
+async fn set_inside_a_set(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let keys = plan.keys();
+    let plan = SetPlan {
+        reentrant: rng.u8(..8) != 0,
+        ..plan
+    };
+    let inner = SetPlan {
+        reentrant: rng.u8(..8) != 0,
+        ..SetPlan::random(rng, world.features, faults)
+    };
+    distlock::scope(async {
+        let Some((outer, outer_entry)) = take_set(world, locks, who, &plan, &[], faults).await
+        else {
+            return;
+        };
+        let inside = Inside::and_set(&[], &outer, &keys);
+        let set = take_set(world, locks, who, &inner, &inside, faults).await;
+        work_set(world, locks, &outer, &outer_entry, rng, faults).await;
+        match set {
+            Some((set, set_entry)) if rng.bool() => {
+                leave_set(world, outer, outer_entry, rng, faults).await;
+                leave_set(world, set, set_entry, rng, faults).await;
+            }
+            Some((set, set_entry)) => {
+                leave_set(world, set, set_entry, rng, faults).await;
+                leave_set(world, outer, outer_entry, rng, faults).await;
+            }
+            None => leave_set(world, outer, outer_entry, rng, faults).await,
+        }
+    })
+    .await;
+}
+
+/// Sibling futures of one task, each in its own scope: a set beside a single hold of one of
+/// its keys or beside another set, separate owners that exclude each other.
+async fn set_beside_a_sibling(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: &SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let keys = plan.keys();
+    let (mut left_rng, mut right_rng) = (rng.fork(), rng.fork());
+    let mut single = Plan::random(rng, world.features);
+    single.key = keys[rng.usize(..keys.len())];
+    let other = rng
+        .bool()
+        .then(|| SetPlan::random(rng, world.features, faults));
+    let (who_l, who_r) = (format!("{who}/left"), format!("{who}/right"));
+    let left = distlock::scope(async {
+        if let Some((g, e)) = take_set(world, locks, &who_l, plan, &[], faults).await {
+            work_set(world, locks, &g, &e, &mut left_rng, faults).await;
+            leave_set(world, g, e, &mut left_rng, faults).await;
+        }
+    });
+    let right = distlock::scope(async {
+        if let Some(other) = &other {
+            if let Some((g, e)) = take_set(world, locks, &who_r, other, &[], faults).await {
+                work_set(world, locks, &g, &e, &mut right_rng, faults).await;
+                leave_set(world, g, e, &mut right_rng, faults).await;
+            }
+        } else if let Some((g, e)) = take(world, locks, &who_r, single, faults).await {
+            work(&g, &e, &mut right_rng).await;
+            leave(world, g, e, &mut right_rng, faults).await;
+        }
+    });
+    tokio::join!(left, right);
+}
+
+/// An annotated set re-entering itself, maybe inside a single hold of one of its keys.
+async fn annotated_sets(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: &SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let keys = plan.keys();
+    let (first, second) = (keys[0], keys[1]);
+    let depth = rng.u32(..3);
+    let mut outer = Plan::random(rng, world.features);
+    outer.key = first;
+    let outer = Plan {
+        kind: Kind::Exclusive,
+        reentrant: true,
+        ..outer
+    };
+    let inside_a_hold = rng.bool();
+    let result = distlock::scope(async {
+        if !inside_a_hold {
+            return Some(annotated_set(locks, world, first, second, &[], depth).await);
+        }
+        let (guard, entry) = take(world, locks, who, outer, faults).await?;
+        let inside = [Inside::single(first, Kind::Exclusive, &guard)];
+        let call = annotated_set(locks, world, first, second, &inside, depth);
+        let result = world.bounded("annotated set", call).await;
+        leave(world, guard, entry, rng, faults).await;
+        result
+    });
+    if let Some(Err(error)) = world.bounded("annotated set", result).await.flatten()
+        && !expected(&error, faults)
+    {
+        world
+            .history
+            .violation(format!("error: annotated set: unexpected {error:?}"));
+    }
+}
+
+/// A set's acquisition cancelled at a random point.
+async fn set_cancelled(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: &SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let cancel_after = Duration::from_micros(rng.u64(0..3_000));
+    let request = plan.request(locks).wait(Duration::from_millis(50));
+    if let Ok(Ok(guard)) = tokio::time::timeout(cancel_after, request.acquire()).await {
+        let entry = enter_set(world, who, &plan.keys(), &[], &guard);
+        leave_set(world, guard, entry, rng, faults).await;
+    }
+}
+
+/// A set held past its ttl by the watchdog: every lock of the set renewed.
+async fn set_renewed(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: SetPlan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let plan = SetPlan {
+        ttl: Duration::from_millis(150),
+        watchdog: true,
+        ..plan
+    };
+    if let Some((guard, entry)) = take_set(world, locks, who, &plan, &[], faults).await {
+        for _ in 0..rng.u8(1..5) {
+            tokio::time::sleep(Duration::from_millis(40)).await;
+            entry.refresh(&guard);
+            world.check_set_lease(locks, &plan.keys(), &guard).await;
+        }
+        leave_set(world, guard, entry, rng, faults).await;
+    }
+}
+
+/// A body that panics while holding a set.
+async fn set_held_by_a_panic(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: SetPlan,
+    faults: bool,
+) {
+    let (world2, locks2, who2) = (world.clone(), locks.clone(), who.to_owned());
+    let holder = tokio::spawn(async move {
+        let held = take_set(&world2, &locks2, &who2, &plan, &[], faults).await;
+        if let Some((_guard, _entry)) = held {
+            panic!("a body panics while holding the set {:?}", plan.names);
+        }
+    });
+    let _ = world.bounded("panicking holder of a set", holder).await;
 }
 
 /// Campaigns in the election named after `plan.key`, leads for a moment and resigns (or drops
@@ -1260,10 +2057,13 @@ async fn robbed(
 
 /// Samples every key until `stop`: a key free in Redis, entered by nobody, while a request
 /// sleeps waiting for it, for longer than `STARVED` plus the fault allowance, is a liveness
-/// violation; an exclusive holder's key whose lease outlasts what its owner asked for, a
-/// lease violation.
+/// violation, and so are all the keys of a set free together for that long while the set
+/// sleeps waiting for them; an exclusive holder's key whose lease outlasts what its owner
+/// asked for, a lease violation.
 async fn monitor(world: World, locks: LockManager, stop: Arc<tokio::sync::Notify>, faults: bool) {
     let mut free_since: HashMap<&str, Instant> = HashMap::new();
+    // Since when each key has been free in Redis, sample after sample.
+    let mut free_in_redis: HashMap<&'static str, Instant> = HashMap::new();
     // A plain lock owned by a token that no holder in the history has: since when, by whom.
     let mut orphaned: HashMap<&str, (String, Instant)> = HashMap::new();
     let stopped = stop.notified();
@@ -1276,6 +2076,11 @@ async fn monitor(world: World, locks: LockManager, stop: Arc<tokio::sync::Notify
         for key in KEYS {
             let sampled = Instant::now();
             let pttl = world.probe.pttl(&locks.redis_key(key)).await;
+            if pttl == Some(-2) {
+                free_in_redis.entry(key).or_insert(sampled);
+            } else {
+                free_in_redis.remove(key);
+            }
             // Without faults every release arrives: a plain lock whose owner left the history
             // (released, dropped, cancelled) is gone within moments, not at its lease's end.
             let owner = match (&world.probe, faults, pttl) {
@@ -1355,7 +2160,7 @@ async fn monitor(world: World, locks: LockManager, stop: Arc<tokio::sync::Notify
             let oldest_waiter = state
                 .waiting
                 .values()
-                .filter(|(k, _, _)| k == key)
+                .filter(|(keys, _, _)| keys.len() == 1 && keys[0] == key)
                 .min_by_key(|(_, since, _)| *since)
                 .map(|(_, since, who)| (*since, who.clone()));
             let (Some(-2), Some((waiting_since, who))) = (pttl, oldest_waiter) else {
@@ -1378,6 +2183,43 @@ async fn monitor(world: World, locks: LockManager, stop: Arc<tokio::sync::Notify
                     waiting_since.elapsed()
                 ));
                 free_since.remove(key);
+            }
+        }
+        starved_sets(&world, &mut free_in_redis);
+    }
+}
+
+/// A set sleeping in `acquire()` can only enter once every one of its keys is free: all of them
+/// free in Redis together (`free`, from the monitor's samples), none entered by anybody, for
+/// longer than `STARVED` plus the fault allowance, is a liveness violation.
+fn starved_sets(world: &World, free: &mut HashMap<&'static str, Instant>) {
+    let now = Instant::now();
+    let state = world.history.lock();
+    let mut stretches = Vec::new();
+    for (keys, since, who) in state.waiting.values().filter(|(keys, _, _)| keys.len() > 1) {
+        let mut from = Some(*since);
+        for key in keys {
+            let entered = state.last_entry.get(key).copied();
+            from = match (from, free.get(key.as_str())) {
+                (Some(from), Some(&free)) => Some(from.max(free).max(entered.unwrap_or(from))),
+                _ => None,
+            };
+        }
+        if let Some(from) = from {
+            stretches.push((keys.clone(), from, *since, who.clone()));
+        }
+    }
+    drop(state);
+    for (keys, from, since, who) in stretches {
+        let starved = now.saturating_duration_since(from);
+        if starved > STARVED && starved > STARVED + world.history.allowance(from, now) {
+            world.history.violation(format!(
+                "liveness: {keys:?} all free in Redis for {starved:?}, entered by nobody, while \
+                 the set {who} waited for them (since {:?} ago)",
+                since.elapsed()
+            ));
+            for key in &keys {
+                free.remove(key.as_str());
             }
         }
     }
