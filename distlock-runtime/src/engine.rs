@@ -205,10 +205,6 @@ pub(crate) struct Engine<'a, A: Ask> {
     /// The holder the server named in the last busy answer.
     holder: Option<[u64; 2]>,
     busy_at: usize,
-    /// The last step joined a queue and looked again at once.
-    just_joined: bool,
-    /// The ticket was joined since the wake-ups were last counted.
-    fresh_ticket: bool,
 }
 
 impl<'a, A: Ask> Engine<'a, A> {
@@ -243,8 +239,6 @@ impl<'a, A: Ask> Engine<'a, A> {
             failure: None,
             holder: None,
             busy_at: 0,
-            just_joined: false,
-            fresh_ticket: false,
         }
     }
 
@@ -326,7 +320,6 @@ impl<'a, A: Ask> Engine<'a, A> {
         // Or this manager just had a run of hand-offs: other processes' turns come first.
         if sitting_out.is_some() {
             self.holder = None;
-            self.just_joined = false;
             return Ok(Then::Wait(None));
         }
         // No offer stands while this waiter asks the server itself; one a release took
@@ -401,21 +394,17 @@ impl<'a, A: Ask> Engine<'a, A> {
             None,
             Instant::now(),
         );
-        let looked_again = std::mem::take(&mut self.just_joined);
         match step {
             Step::GiveUp => Err(self.give_up(self.failure.clone())),
             // First time busy on this lock: queue up and follow its wake channel, then look
             // again at once (a release between the busy answer and the subscription
-            // publishes unheard), unless the last step just did (a set busy on another lock).
+            // publishes unheard). So does a set found busy on another lock than the one it
+            // just queued for (a release of that lock before its channel is followed would
+            // leave the set asleep while every lock is free); that lock was free at this look,
+            // so each such turn follows a release and is no busy loop.
             Step::Queue => {
                 self.join(self.busy_at);
-                self.just_joined = !looked_again;
-                self.fresh_ticket = looked_again;
-                Ok(if looked_again {
-                    Then::Wait(holder_ttl)
-                } else {
-                    Then::Again
-                })
+                Ok(Then::Again)
             }
             _ => Ok(Then::Wait(holder_ttl)),
         }
@@ -526,9 +515,6 @@ impl<'a, A: Ask> Engine<'a, A> {
         let Step::Sleep { until } = step else {
             return Err(self.give_up_now());
         };
-        // A queue joined just now: wake-ups count from the join.
-        let fresh = std::mem::take(&mut self.fresh_ticket);
-        let seen = seen.filter(|_| !fresh);
         let woken = async {
             match &self.ticket {
                 Some((_, waiting)) => {
