@@ -19,7 +19,7 @@ use crate::lease::keep_until;
 use crate::manager::{Inner, LockManager};
 use crate::request::{LockRequest, Plan, Single, Target};
 use crate::waiters::LocalPass;
-use crate::watchdog::{Registration, Renewable};
+use crate::watchdog::{Holds, Registration, Renewable};
 
 impl Target for Single {
     type Guard = LockGuard;
@@ -313,7 +313,7 @@ fn grant(
             (ids, lease, set.min(sent), (0, None, passes), None)
         }
     };
-    let renewal = register_renewal(&manager.inner, &plan, &ids, &lease, set);
+    let renewal = register_renewal(&manager.inner, &plan, Holds::One(ids.clone()), &lease, set);
     let held = Held::first(&manager.inner, &plan, kind, ids, lease.clone(), start);
     build(manager, plan, fence, lease, acquired, renewal, held)
 }
@@ -326,7 +326,13 @@ pub(crate) fn nested(manager: &LockManager, plan: Plan<Keys>, held: Arc<Held>) -
     let sent = Instant::now();
     held.enter(keep_until(sent, plan.options.min_hold));
     let lease = held.lease.clone();
-    let renewal = register_renewal(&manager.inner, &plan, &held.ids, &lease, sent);
+    let renewal = register_renewal(
+        &manager.inner,
+        &plan,
+        Holds::One(held.ids.clone()),
+        &lease,
+        sent,
+    );
     tracing::debug!("acquired a nested hold");
     let acquired = Acquired {
         attempts: 1,
@@ -341,13 +347,13 @@ pub(crate) fn nested(manager: &LockManager, plan: Plan<Keys>, held: Arc<Held>) -
 pub(crate) fn register_renewal<K>(
     inner: &Arc<Inner>,
     plan: &Plan<K>,
-    ids: &Arc<HoldIds>,
+    holds: Holds,
     lease: &Arc<LeaseState>,
     set: Instant,
 ) -> Option<Registration> {
     plan.options.watchdog.then(|| {
         let target = Renewable {
-            hold: ids.clone(),
+            holds,
             metrics: plan.metrics,
         };
         inner

@@ -24,7 +24,7 @@ use crate::lock::{self, new_token};
 use crate::manager::{Inner, LockManager};
 use crate::release::{self, Resend, Unanswered};
 use crate::request::{KeySet, LockRequest, MultiLockRequest, Plan, Target};
-use crate::watchdog::Registration;
+use crate::watchdog::{Holds, Registration};
 use crate::{LockError, LockGuard};
 
 impl Target for KeySet {
@@ -148,19 +148,13 @@ fn grant_set(
     // Every lease of the set shares one state: a renewal that finds any lock gone marks the
     // whole set lost.
     let lease = Arc::new(LeaseState::new(acquired.sent, plan.ttl));
-    let mut renewals = Vec::with_capacity(request.keys.len());
+    let mut holds = Vec::with_capacity(request.keys.len());
     let mut held = Vec::with_capacity(request.keys.len());
     for (key, &fence) in request.keys.iter().zip(&fences) {
         // One hold identity per lock, shared by its renewal, its context entry and its
         // release.
         let ids = Arc::new(hold_ids(key, &request.token));
-        renewals.extend(lock::register_renewal(
-            inner,
-            plan,
-            &ids,
-            &lease,
-            acquired.sent,
-        ));
+        holds.push(ids.clone());
         let start = (fence, None, 0);
         held.push(Held::first(
             inner,
@@ -171,6 +165,11 @@ fn grant_set(
             start,
         ));
     }
+    // One renewal for the whole set: its lease goes on only if every lock was renewed.
+    let renewals: Vec<Registration> =
+        lock::register_renewal(inner, plan, Holds::Set(holds.into()), &lease, acquired.sent)
+            .into_iter()
+            .collect();
     let listing = list(inner, &request, &lease);
     MultiGuard {
         listing,

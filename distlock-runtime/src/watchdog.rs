@@ -120,11 +120,36 @@ fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
+/// The holds one lease covers: one lock's, or every lock of a set, renewed together (the
+/// set's lease goes on only if every one of its locks was renewed, or `remaining()` would
+/// promise more than a lock that was not has left).
+#[derive(Debug, Clone)]
+pub(crate) enum Holds {
+    /// One lock's hold.
+    One(Arc<HoldIds>),
+    /// The holds of a set's locks.
+    Set(Arc<[Arc<HoldIds>]>),
+}
+
+impl Holds {
+    fn all(&self) -> &[Arc<HoldIds>] {
+        match self {
+            Self::One(hold) => std::slice::from_ref(hold),
+            Self::Set(holds) => holds,
+        }
+    }
+
+    /// The first lock, which names the lease in logs.
+    fn lock(&self) -> &str {
+        self.all().first().map_or("", |hold| hold.lock.as_str())
+    }
+}
+
 /// What a renewal extends: the lock, the share's lease key for shares, and the owner token.
 #[derive(Debug)]
 pub(crate) struct Renewable {
-    /// The hold to renew: its lock, share and owner token.
-    pub(crate) hold: Arc<HoldIds>,
+    /// The holds to renew: their locks, shares and owner tokens.
+    pub(crate) holds: Holds,
     pub(crate) metrics: crate::metrics::Labels,
 }
 
@@ -189,7 +214,7 @@ impl Leases {
 
 #[derive(Debug)]
 struct Lease {
-    hold: Arc<HoldIds>,
+    hold: Holds,
     ttl: Duration,
     state: Arc<LeaseState>,
     next_renewal: Instant,
@@ -233,7 +258,10 @@ impl Watchdog {
         max_hold: Option<Duration>,
     ) -> Registration {
         let ttl = state.ttl();
-        let Renewable { hold, metrics } = target;
+        let Renewable {
+            holds: hold,
+            metrics,
+        } = target;
         let lease = Lease {
             hold,
             ttl,
@@ -273,7 +301,7 @@ impl Watchdog {
 /// One lease of a batch: what to send, and where to put the answer.
 struct Due {
     id: u64,
-    hold: Arc<HoldIds>,
+    hold: Holds,
     ttl: Duration,
     state: Arc<LeaseState>,
     metrics: crate::metrics::Labels,
@@ -332,7 +360,7 @@ fn collect_due(leases: &mut Leases) -> Vec<Due> {
             continue;
         };
         if lease.stop_at.is_some_and(|stop| now >= stop) {
-            tracing::debug!(lock = %lease.hold.lock, "max_hold reached: renewal stops");
+            tracing::debug!(lock = %lease.hold.lock(), "max_hold reached: renewal stops");
             leases.by_id.remove(&id);
             continue;
         }
@@ -368,7 +396,7 @@ fn collect_due(leases: &mut Leases) -> Vec<Due> {
                 metrics: lease.metrics,
             });
         } else {
-            tracing::warn!(lock = %lease.hold.lock, "the holder's runtime did not answer: not renewing");
+            tracing::warn!(lock = %lease.hold.lock(), "the holder's runtime did not answer: not renewing");
         }
         leases.reschedule(id);
     }
@@ -400,18 +428,30 @@ async fn renew_batch(shared: &Renewals, backend: &Backend, batch: &[Due]) {
         let sent = Instant::now();
         let items: Vec<Renewal<'_>> = batch
             .iter()
-            .map(|d| Renewal {
-                lock: &d.hold.lock,
-                share: d.hold.share.as_deref(),
-                token: &d.hold.token,
-                lease: d.ttl,
+            .flat_map(|d| {
+                d.hold.all().iter().map(|hold| Renewal {
+                    lock: &hold.lock,
+                    share: hold.share.as_deref(),
+                    token: &hold.token,
+                    lease: d.ttl,
+                })
             })
             .collect();
         shared.counters.round_trips.fetch_add(1, Ordering::Relaxed);
         match backend.renew(&items).await {
             Ok(results) => {
                 let mut leases = shared.lock();
-                for (lease, renewed) in batch.iter().zip(results) {
+                let mut results = results.into_iter();
+                for lease in batch {
+                    // A set's lease is renewed only if every one of its locks was.
+                    let count = lease.hold.all().len();
+                    // (Every answer of this lease is taken: the next lease's follow.)
+                    let (mut renewed, mut answered) = (true, 0);
+                    for one in results.by_ref().take(count) {
+                        renewed &= one;
+                        answered += 1;
+                    }
+                    let renewed = renewed && answered == count;
                     // An answer after the local deadline finds the lease already lost.
                     if renewed && lease.state.renewed(sent, lease.ttl) {
                         shared.counters.renewed.fetch_add(1, Ordering::Relaxed);
@@ -421,7 +461,7 @@ async fn renew_batch(shared: &Renewals, backend: &Backend, batch: &[Due]) {
                         );
                     } else if leases.remove(lease.id).is_some() {
                         // (A lease released while its renewal was in flight is not lost.)
-                        tracing::warn!(lock = %lease.hold.lock, renewed, "lease lost: renewal found another owner or no key, or came too late");
+                        tracing::warn!(lock = %lease.hold.lock(), renewed, "lease lost: renewal found another owner or no key, or came too late");
                         // Marked first: a loss that is counted is already seen by the guard.
                         lease.state.mark_lost();
                         shared.counters.lost.fetch_add(1, Ordering::Release);
