@@ -1,4 +1,5 @@
-//! The `distlock` inspector binary against a real server.
+//! The `distlock` binary against real servers: the inspector here, `run` and `lead` in the
+//! submodules.
 #![cfg(feature = "cli")]
 
 use std::io::Write;
@@ -9,6 +10,9 @@ use distlock::LockError;
 
 use crate::support;
 use crate::support::{keys, manager, shared_server, unique_prefix};
+
+mod lead;
+mod run;
 
 /// Runs `distlock args…` with the given environment (nothing else from ours), feeding `input`.
 fn distlock(env: &[(&str, &str)], args: &[&str], input: &str) -> Output {
@@ -206,7 +210,7 @@ fn bad_settings_are_clear_errors_and_no_password_is_printed() {
         &["list"],
         "",
     );
-    assert_eq!(bad.status.code(), Some(1));
+    assert_eq!(bad.status.code(), Some(69), "could not reach Redis");
     assert!(!text(&bad).contains("s3cret-pw"), "{}", text(&bad));
     let ttl = distlock(
         &[
@@ -222,6 +226,7 @@ fn bad_settings_are_clear_errors_and_no_password_is_printed() {
         text(&ttl)
     );
     assert!(!text(&ttl).contains("panicked"));
+    assert_eq!(ttl.status.code(), Some(78), "a configuration error");
     let usage = distlock(&[], &["frobnicate"], "");
     assert_eq!(usage.status.code(), Some(2));
 }
@@ -240,4 +245,124 @@ async fn list_reads_every_master_of_a_cluster() {
     assert_eq!(removed.holders[0].token, guards[7].token());
     assert!(locks.inspect("job:7").await.unwrap().is_none());
     assert_eq!(locks.list("*").await.unwrap().len(), 19);
+}
+
+/// How long any one step of a `distlock` process may take before a test gives up on it.
+const BOUND: Duration = Duration::from_secs(30);
+
+/// A `distlock` process started with `--url` and `--prefix` and nothing from our environment,
+/// whose standard output arrives line by line; its standard input is a pipe.
+struct Running {
+    process: tokio::process::Child,
+    lines: tokio::sync::mpsc::UnboundedReceiver<String>,
+    stderr: tokio::task::JoinHandle<String>,
+}
+
+/// How a [`Running`] process ended.
+#[derive(Debug)]
+struct Exited {
+    code: Option<i32>,
+    /// The standard output lines not read before it ended.
+    rest: Vec<String>,
+    stderr: String,
+}
+
+impl Running {
+    fn start(url: &str, prefix: &str, args: &[&str]) -> Self {
+        Self::start_with(&[], &["--url", url, "--prefix", prefix], args)
+    }
+
+    /// Started with the environment `env` and the arguments `global` then `args`.
+    fn start_with(env: &[(&str, &str)], global: &[&str], args: &[&str]) -> Self {
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt};
+        let mut process = tokio::process::Command::new(env!("CARGO_BIN_EXE_distlock"))
+            .args(global)
+            .args(args)
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let (sender, lines) = tokio::sync::mpsc::unbounded_channel();
+        let mut stdout = tokio::io::BufReader::new(process.stdout.take().unwrap()).lines();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = stdout.next_line().await {
+                let _ = sender.send(line);
+            }
+        });
+        let mut stderr = process.stderr.take().unwrap();
+        let stderr = tokio::spawn(async move {
+            let mut text = String::new();
+            let _ = stderr.read_to_string(&mut text).await;
+            text
+        });
+        Self {
+            process,
+            lines,
+            stderr,
+        }
+    }
+
+    /// The next line of standard output.
+    async fn line(&mut self) -> String {
+        match tokio::time::timeout(BOUND, self.lines.recv()).await {
+            Ok(Some(line)) => line,
+            Ok(None) => panic!("distlock ended without another line"),
+            Err(_) => panic!("no line from distlock in {BOUND:?}"),
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.process.id().expect("running")
+    }
+
+    /// Sends the signal `name` (`TERM`, `INT`, `KILL`) to the process.
+    fn signal(&self, name: &str) {
+        send_signal(self.pid(), name);
+    }
+
+    async fn write(&mut self, text: &str) {
+        use tokio::io::AsyncWriteExt;
+        let stdin = self.process.stdin.as_mut().unwrap();
+        stdin.write_all(text.as_bytes()).await.unwrap();
+        stdin.flush().await.unwrap();
+    }
+
+    async fn exit(mut self) -> Exited {
+        let status = tokio::time::timeout(BOUND, self.process.wait())
+            .await
+            .unwrap_or_else(|_| panic!("distlock still running after {BOUND:?}"))
+            .unwrap();
+        let stderr = tokio::time::timeout(BOUND, self.stderr)
+            .await
+            .expect("stderr closed")
+            .unwrap();
+        let mut rest = Vec::new();
+        while let Ok(Some(line)) = tokio::time::timeout(BOUND, self.lines.recv()).await {
+            rest.push(line);
+        }
+        Exited {
+            code: status.code(),
+            rest,
+            stderr,
+        }
+    }
+}
+
+/// Sends the signal `name` to the process `pid`.
+fn send_signal(pid: u32, name: &str) {
+    let status = Command::new("kill")
+        .args([format!("-{name}"), pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{name} {pid}");
+}
+
+/// Runs `distlock --url URL --prefix PREFIX args…` to its end.
+async fn finished(url: &str, prefix: &str, args: &[&str]) -> Exited {
+    Running::start(url, prefix, args).exit().await
 }

@@ -1,158 +1,29 @@
-//! `distlock`: see, follow and clear locks from a shell.
-//!
-//! Connection settings come from the same environment variables as
-//! `LockManager::from_env()` (`DISTLOCK_URL` or `REDIS_URL`, `DISTLOCK_KEY_PREFIX`,
-//! `DISTLOCK_CLUSTER`, `DISTLOCK_SENTINEL`, `DISTLOCK_REDLOCK`, the TLS files…); `--url` and
-//! `--prefix` override them. Exit codes: 0 done, 1 no such lock (or an error), 2 bad usage.
+//! `list`, `show`, `release` and `watch`: what the locks under a prefix are, and who holds them.
 
 use std::io::{BufRead, Write};
-use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use clap::{Parser, Subcommand};
-use distlock::inspect::{Holder, LockInfo};
-use distlock::{LockError, LockManager, LockManagerBuilder};
+use distlock::inspect::{Holder, LockInfo, LockKind};
+use distlock::{LockError, LockManager};
 
-/// See, follow and clear distlock locks.
-#[derive(Parser, Debug)]
-#[command(name = "distlock", version)]
-struct Cli {
-    /// Redis URL (overrides DISTLOCK_URL / REDIS_URL).
-    #[arg(long, global = true)]
-    url: Option<String>,
-    /// Key prefix (overrides DISTLOCK_KEY_PREFIX).
-    #[arg(long, global = true)]
-    prefix: Option<String>,
-    #[command(subcommand)]
-    command: Command,
-}
+use crate::exit;
 
-#[derive(Subcommand, Debug)]
-enum Command {
-    /// Every lock under the prefix whose name matches PATTERN (`*`, `?`).
-    List {
-        /// Which names (default: all).
-        #[arg(default_value = "*")]
-        pattern: String,
-    },
-    /// One lock in detail.
-    Show {
-        /// The lock's name.
-        key: String,
-    },
-    /// Removes a stuck lock, whatever holds it, and wakes its waiters.
-    Release {
-        /// The lock's name.
-        key: String,
-        /// Required: this takes the lock away from whoever holds it.
-        #[arg(long)]
-        force: bool,
-        /// Do not ask for confirmation.
-        #[arg(long, short)]
-        yes: bool,
-    },
-    /// Prints the lock's holders each time they change.
-    Watch {
-        /// The lock's name.
-        key: String,
-        /// Stop after this many changes.
-        #[arg(long)]
-        count: Option<u64>,
-        /// Stop after this long (e.g. `30s`, `500ms`).
-        #[arg(long = "for", value_parser = parse_duration)]
-        duration: Option<Duration>,
-        /// How often to look (default 50ms).
-        #[arg(long, value_parser = parse_duration, default_value = "50ms")]
-        interval: Duration,
-    },
-}
-
-fn parse_duration(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let (number, unit) = text
-        .find(|c: char| !c.is_ascii_digit())
-        .map_or((text, "s"), |at| text.split_at(at));
-    let n: u64 = number
-        .parse()
-        .map_err(|_| format!("`{text}` is not a duration such as 30s or 500ms"))?;
-    match unit {
-        "ms" => Ok(Duration::from_millis(n)),
-        "s" => Ok(Duration::from_secs(n)),
-        "m" => Ok(Duration::from_secs(n.saturating_mul(60))),
-        "h" => Ok(Duration::from_secs(n.saturating_mul(3600))),
-        _ => Err(format!("`{text}`: the unit must be ms, s, m or h")),
-    }
-}
-
-#[tokio::main]
-async fn main() -> ExitCode {
-    let cli = Cli::parse();
-    match run(cli).await {
-        Ok(code) => code,
-        Err(error) => {
-            eprintln!("distlock: {error}");
-            ExitCode::from(1)
-        }
-    }
-}
-
-async fn run(cli: Cli) -> Result<ExitCode, LockError> {
-    let mut builder = LockManagerBuilder::from_env()?;
-    if let Some(url) = &cli.url {
-        builder = builder.redis_url(url);
-    }
-    if let Some(prefix) = &cli.prefix {
-        builder = builder.key_prefix(prefix);
-    }
-    let locks = builder.build().await?;
-    let mut out = std::io::stdout().lock();
-    let code = match cli.command {
-        Command::List { pattern } => {
-            let found = locks.list(&pattern).await?;
-            print_table(&mut out, &found);
-            ExitCode::SUCCESS
-        }
-        Command::Show { key } => match locks.inspect(&key).await? {
-            Some(info) => {
-                print_detail(&mut out, &info);
-                ExitCode::SUCCESS
-            }
-            None => {
-                let _ = writeln!(out, "{key}: not held");
-                ExitCode::from(1)
-            }
-        },
-        Command::Release { key, force, yes } => release(&locks, &key, force, yes).await?,
-        Command::Watch {
-            key,
-            count,
-            duration,
-            interval,
-        } => {
-            watch(&locks, &key, count, duration, interval).await?;
-            ExitCode::SUCCESS
-        }
-    };
-    locks.shutdown().await;
-    Ok(code)
-}
-
-async fn release(
+pub(crate) async fn release(
     locks: &LockManager,
     key: &str,
     force: bool,
     yes: bool,
-) -> Result<ExitCode, LockError> {
+) -> Result<u8, LockError> {
     let mut out = std::io::stdout().lock();
     if !force {
         eprintln!(
             "distlock: `release` takes {key} away from whoever holds it; add --force to do so"
         );
-        return Ok(ExitCode::from(2));
+        return Ok(exit::USAGE);
     }
     let Some(info) = locks.inspect(key).await? else {
         let _ = writeln!(out, "{key}: not held, nothing removed");
-        return Ok(ExitCode::from(1));
+        return Ok(exit::NONE);
     };
     if !yes {
         print_detail(&mut out, &info);
@@ -162,7 +33,7 @@ async fn release(
         let _ = std::io::stdin().lock().read_line(&mut answer);
         if !matches!(answer.trim(), "y" | "Y" | "yes") {
             let _ = writeln!(out, "nothing removed");
-            return Ok(ExitCode::from(1));
+            return Ok(exit::NONE);
         }
     }
     match locks.force_release(key).await? {
@@ -174,16 +45,16 @@ async fn release(
                 removed.kind.as_str(),
                 holders(&removed.holders)
             );
-            Ok(ExitCode::SUCCESS)
+            Ok(0)
         }
         None => {
             let _ = writeln!(out, "{key}: already free, nothing removed");
-            Ok(ExitCode::from(1))
+            Ok(exit::NONE)
         }
     }
 }
 
-async fn watch(
+pub(crate) async fn watch(
     locks: &LockManager,
     key: &str,
     count: Option<u64>,
@@ -229,6 +100,35 @@ async fn watch(
     }
 }
 
+/// What a busy key is held by, for a message that follows its name: every holder and who it
+/// is as the key shows them now, else the holder the busy `error` named, or the `min_hold`
+/// that keeps the key after its holder let go.
+pub(crate) async fn held_by(locks: &LockManager, key: &str, error: &LockError) -> String {
+    match locks.inspect(key).await {
+        Ok(Some(info)) if info.kind == LockKind::MinHold => format!(
+            "is kept by an earlier holder's min-hold (ttl {})",
+            ttl(info.ttl)
+        ),
+        Ok(Some(info)) if !info.holders.is_empty() => format!(
+            "is held ({}) by {}",
+            info.kind.as_str(),
+            holders(&info.holders)
+        ),
+        _ => match error {
+            LockError::Busy {
+                holder_token: Some(token),
+                holder: Some(identity),
+                ..
+            } => format!("is held by {token} ({identity})"),
+            LockError::Busy {
+                holder_token: Some(token),
+                ..
+            } => format!("is held by {token} (unknown or gone)"),
+            _ => "was held (its holder has let go since)".to_owned(),
+        },
+    }
+}
+
 fn holders(holders: &[Holder]) -> String {
     if holders.is_empty() {
         return "nobody".to_owned();
@@ -258,7 +158,7 @@ fn ttl(ttl: Option<Duration>) -> String {
     ttl.map_or_else(|| "-".to_owned(), |t| format!("{}ms", t.as_millis()))
 }
 
-fn print_table(out: &mut impl Write, locks: &[LockInfo]) {
+pub(crate) fn print_table(out: &mut impl Write, locks: &[LockInfo]) {
     let _ = writeln!(
         out,
         "{:<32} {:<10} {:>8} {:>10} {:>7} {:>7}  HOLDERS",
@@ -281,7 +181,7 @@ fn print_table(out: &mut impl Write, locks: &[LockInfo]) {
     }
 }
 
-fn print_detail(out: &mut impl Write, info: &LockInfo) {
+pub(crate) fn print_detail(out: &mut impl Write, info: &LockInfo) {
     let _ = writeln!(out, "name:     {}", info.name);
     let _ = writeln!(out, "key:      {}", info.key);
     let _ = writeln!(out, "kind:     {}", info.kind.as_str());

@@ -1,0 +1,325 @@
+//! `run`, `lead` and `leader`: a command run while a lock (or an election) is held, through
+//! the same requests the attribute makes.
+
+use std::ffi::OsString;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use distlock::{LockError, LockGuard, LockManager, LockRequest};
+
+use crate::child::{self, Ended, Signals};
+use crate::{exit, inspector, parse_duration};
+
+/// What `run` does when the lock is held by someone else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum OnBusy {
+    /// Wait for it (up to `--wait`, if given).
+    Wait,
+    /// Do not run the command; say so on stderr.
+    Skip,
+    /// Do not run the command; fail with an error on stderr.
+    Fail,
+}
+
+/// The read or write side of a read-write lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Mode {
+    /// Shared with other readers.
+    Read,
+    /// Exclusive, against readers and writers.
+    Write,
+}
+
+/// What runs, and how it is stopped.
+#[derive(Args, Debug)]
+pub(crate) struct CommandArgs {
+    /// When the lock is lost: how long the command has between SIGTERM and SIGKILL.
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    grace: Duration,
+    /// Keep the command in distlock's process group, as for an interactive program that
+    /// reads the terminal: signals then reach the command itself, not what it starts.
+    #[arg(long)]
+    foreground: bool,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    command: Vec<OsString>,
+}
+
+impl CommandArgs {
+    /// The program's name, for messages.
+    fn program(&self) -> String {
+        self.command
+            .first()
+            .map(|p| p.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    }
+}
+
+/// The options of `run`: those of `#[distributed_lock]`, by the same names.
+#[derive(Args, Debug)]
+pub(crate) struct RunArgs {
+    /// The lock's name.
+    key: String,
+    /// The lease, renewed while the command runs (default: the manager's, 30s; with
+    /// `--min-hold` and no `--ttl`, the min-hold).
+    #[arg(long, value_parser = parse_duration)]
+    ttl: Option<Duration>,
+    /// With `--on-busy wait`: how long to wait for the lock (default: as long as it takes).
+    #[arg(long, value_parser = parse_duration)]
+    wait: Option<Duration>,
+    /// When the lock is held: wait for it, skip the command, or fail.
+    #[arg(long, value_enum, default_value = "wait")]
+    on_busy: OnBusy,
+    /// Keep the key this long after the lock was taken, even when the command ends sooner:
+    /// another run in the same window finds it busy (a job runs at most once per window).
+    #[arg(long, value_parser = parse_duration)]
+    min_hold: Option<Duration>,
+    /// Draw a fencing token, passed to the command as DISTLOCK_FENCING_TOKEN.
+    #[arg(long)]
+    fencing: bool,
+    /// Take the read or the write side of a read-write lock (default: an exclusive lock).
+    #[arg(long, value_enum, conflicts_with = "permits")]
+    mode: Option<Mode>,
+    /// Take one of N permits of a counting semaphore.
+    #[arg(long, value_name = "N")]
+    permits: Option<u32>,
+    /// Stop renewing the lease after this long, whatever the command does: it is then stopped
+    /// as for a lost lease when the lease runs out (default: the manager's, 1h).
+    #[arg(long, value_parser = parse_duration)]
+    max_hold: Option<Duration>,
+    #[command(flatten)]
+    command: CommandArgs,
+}
+
+impl RunArgs {
+    /// The usage mistake clap cannot see, if any.
+    pub(crate) fn misuse(&self) -> Option<&'static str> {
+        (self.wait.is_some() && self.on_busy != OnBusy::Wait)
+            .then_some("`--wait` applies to `--on-busy wait` only")
+    }
+
+    /// The request the attribute would make with the same arguments, plus `watchdog`.
+    fn request<'m>(&self, locks: &'m LockManager) -> LockRequest<'m> {
+        let key = self.key.clone();
+        let request = match (self.mode, self.permits) {
+            (_, Some(permits)) => locks.semaphore(key, permits),
+            (Some(Mode::Read), None) => locks.read_lock(key),
+            (Some(Mode::Write), None) => locks.write_lock(key),
+            (None, None) => locks.lock(key),
+        };
+        let mut request = request.watchdog(true).fencing(self.fencing);
+        if let Some(ttl) = self.ttl.or(self.min_hold) {
+            request = request.ttl(ttl);
+        }
+        if let Some(min_hold) = self.min_hold {
+            request = request.min_hold(min_hold);
+        }
+        if let Some(max_hold) = self.max_hold {
+            request = request.max_hold(max_hold);
+        }
+        match self.on_busy {
+            OnBusy::Wait => request.wait(self.wait.unwrap_or(Duration::MAX)),
+            OnBusy::Skip | OnBusy::Fail => request.retries(0).wait(Duration::ZERO),
+        }
+    }
+}
+
+/// `distlock run`: takes the lock, runs the command while the watchdog renews it, gives it
+/// back when the command exits; returns the exit code.
+pub(crate) async fn run(locks: &LockManager, args: &RunArgs, signals: &mut Signals) -> u8 {
+    let taken = tokio::select! {
+        taken = args.request(locks).acquire() => taken,
+        received = signals.recv() => return received.exit_code(),
+    };
+    let guard = match taken {
+        Ok(guard) => guard,
+        Err(error @ LockError::Busy { .. }) => {
+            let held_by = inspector::held_by(locks, &args.key, &error).await;
+            let program = args.command.program();
+            let key = &args.key;
+            match (args.on_busy, &error) {
+                (OnBusy::Skip, _) => eprintln!("distlock: {key} {held_by}; skipped `{program}`"),
+                (OnBusy::Wait, LockError::Busy { waited, .. }) => eprintln!(
+                    "distlock: {key} {held_by}; gave up after {:.1}s; `{program}` not run",
+                    waited.as_secs_f64()
+                ),
+                _ => eprintln!("distlock: {key} {held_by}; `{program}` not run"),
+            }
+            return exit::BUSY;
+        }
+        Err(error) => {
+            eprintln!("distlock: {error}");
+            return exit::of(&error);
+        }
+    };
+    let mut vars = vec![
+        ("DISTLOCK_KEY", args.key.clone()),
+        ("DISTLOCK_TOKEN", guard.token().to_owned()),
+    ];
+    if let Some(fence) = guard.fencing_token() {
+        vars.push(("DISTLOCK_FENCING_TOKEN", fence.to_string()));
+    }
+    let child = match child::spawn(&args.command.command, &vars, args.command.foreground) {
+        Ok(child) => child,
+        Err(code) => {
+            give_back(guard).await;
+            return code;
+        }
+    };
+    let ended = child::supervise(child, guard.lost(), args.command.grace, signals).await;
+    finish_run(guard, &ended, &args.command.program()).await
+}
+
+/// The exit code of a run whose command has ended, after giving the lock back.
+async fn finish_run(guard: LockGuard, ended: &Ended, program: &str) -> u8 {
+    let key = guard.key().to_owned();
+    if let Some(lost) = &ended.lost {
+        eprintln!("distlock: {lost}; stopped `{program}`");
+        return exit::LOST;
+    }
+    let code = ended.exit_code();
+    match guard.release().await {
+        Ok(()) => code,
+        Err(error @ LockError::Lost { .. }) => {
+            eprintln!(
+                "distlock: `{program}` ended, but {error}: it did not hold `{key}` throughout"
+            );
+            exit::LOST
+        }
+        Err(error) => {
+            eprintln!(
+                "distlock: `{program}` ended; giving `{key}` back failed ({error}): its lease runs out by itself"
+            );
+            code
+        }
+    }
+}
+
+/// Gives a lock back whose command never ran.
+async fn give_back(guard: LockGuard) {
+    if let Err(error) = guard.release().await {
+        eprintln!("distlock: {error}");
+    }
+}
+
+/// The options of `lead`.
+#[derive(Args, Debug)]
+pub(crate) struct LeadArgs {
+    /// The election's name.
+    name: String,
+    /// The leader's lease, renewed while the command runs: another replica leads within
+    /// about this long after a leader dies (default: the manager's, 30s).
+    #[arg(long, value_parser = parse_duration)]
+    ttl: Option<Duration>,
+    /// Run the command once as leader, then exit with its code (default: campaign again
+    /// after it ends).
+    #[arg(long)]
+    once: bool,
+    #[command(flatten)]
+    command: CommandArgs,
+}
+
+/// How long `lead` waits before campaigning again after Redis failed.
+const RETRY: Duration = Duration::from_secs(1);
+/// The least time between the starts of two terms of one `lead` (its command ended sooner).
+const TERM_AT_LEAST: Duration = Duration::from_secs(1);
+
+/// `distlock lead`: campaigns, runs the command while leading, and again after it ends
+/// (unless `--once`); returns the exit code.
+pub(crate) async fn lead(locks: &LockManager, args: &LeadArgs, signals: &mut Signals) -> u8 {
+    let mut election = locks.election(args.name.clone());
+    if let Some(ttl) = args.ttl {
+        election = election.ttl(ttl);
+    }
+    let program = args.command.program();
+    let mut warned = false;
+    loop {
+        let campaign = tokio::select! {
+            campaign = election.campaign() => campaign,
+            received = signals.recv() => return received.exit_code(),
+        };
+        let leadership = match campaign {
+            Ok(leadership) => leadership,
+            // Redis failing is waited out, unless a single term was asked for.
+            Err(error @ LockError::Redis { .. }) if !args.once => {
+                if !warned {
+                    eprintln!("distlock: {error}; campaigning again");
+                    warned = true;
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(RETRY) => continue,
+                    received = signals.recv() => return received.exit_code(),
+                }
+            }
+            Err(error) => {
+                eprintln!("distlock: {error}");
+                return exit::of(&error);
+            }
+        };
+        warned = false;
+        let term = leadership.term();
+        let vars = [
+            ("DISTLOCK_ELECTION", args.name.clone()),
+            ("DISTLOCK_TERM", term.to_string()),
+            ("DISTLOCK_TOKEN", leadership.guard().token().to_owned()),
+        ];
+        let started = tokio::time::Instant::now();
+        let child = match child::spawn(&args.command.command, &vars, args.command.foreground) {
+            Ok(child) => child,
+            Err(code) => {
+                if let Err(error) = leadership.resign().await {
+                    eprintln!("distlock: {error}");
+                }
+                return code;
+            }
+        };
+        let ended = child::supervise(child, leadership.lost(), args.command.grace, signals).await;
+        if let Some(lost) = &ended.lost {
+            eprintln!(
+                "distlock: leadership of `{}` (term {term}) lost: {lost}; stopped `{program}`",
+                args.name
+            );
+            drop(leadership);
+            if args.once || ended.interrupted.is_some() {
+                return exit::LOST;
+            }
+            continue;
+        }
+        let code = ended.exit_code();
+        let resigned = leadership.resign().await;
+        if let Err(error) = &resigned {
+            eprintln!("distlock: `{program}` ended; {error}");
+        }
+        if args.once || ended.interrupted.is_some() {
+            return match resigned {
+                Err(LockError::Lost { .. }) => exit::LOST,
+                _ => code,
+            };
+        }
+        // A command that keeps failing at once is started at most once a second.
+        tokio::select! {
+            () = tokio::time::sleep_until(started + TERM_AT_LEAST) => {}
+            received = signals.recv() => return received.exit_code(),
+        }
+    }
+}
+
+/// `distlock leader`: prints who leads the election; [`exit::NONE`] when nobody does.
+pub(crate) async fn leader(locks: &LockManager, name: &str) -> Result<u8, LockError> {
+    match locks.election(name).leader().await? {
+        Some(leader) => {
+            let since = leader
+                .since
+                .and_then(|since| std::time::SystemTime::now().duration_since(since).ok())
+                .map_or_else(String::new, |d| {
+                    format!(", leading for {:.1}s", d.as_secs_f64())
+                });
+            println!("{leader} (token {}{since})", leader.token);
+            Ok(0)
+        }
+        None => {
+            println!("{name}: no leader");
+            Ok(exit::NONE)
+        }
+    }
+}
