@@ -243,19 +243,9 @@ fn duration_var<'a>(
         .transpose()
 }
 
-/// `"250ms"`, `"10s"`, `"2m"`, `"1h"`: a whole number and a unit; zero is refused.
+/// The duration syntax of [`crate::parse_duration`], as an `Option`.
 fn parse_duration(text: &str) -> Option<Duration> {
-    let split = text.find(|c: char| !c.is_ascii_digit())?;
-    let (number, unit) = text.split_at(split);
-    let number: u64 = number.parse().ok()?;
-    let duration = match unit.trim() {
-        "ms" => Duration::from_millis(number),
-        "s" => Duration::from_secs(number),
-        "m" => Duration::from_secs(number.checked_mul(60)?),
-        "h" => Duration::from_secs(number.checked_mul(3600)?),
-        _ => return None,
-    };
-    (!duration.is_zero()).then_some(duration)
+    crate::parse_duration(text).ok()
 }
 
 #[cfg(test)]

@@ -63,6 +63,7 @@ mod backend;
 mod context;
 mod decide;
 mod driver;
+mod duration;
 mod election;
 mod engine;
 mod env;
@@ -93,6 +94,7 @@ pub mod testing;
 pub mod __private;
 
 pub use context::scope;
+pub use duration::parse_duration;
 pub use election::{Election, LeaderChange, LeaderInfo, Leadership, Observer};
 pub use error::LockError;
 pub use guard::LockGuard;

@@ -366,3 +366,30 @@ fn send_signal(pid: u32, name: &str) {
 async fn finished(url: &str, prefix: &str, args: &[&str]) -> Exited {
     Running::start(url, prefix, args).exit().await
 }
+
+/// One duration syntax (`distlock::parse_duration`, which `from_env` reads with too): what
+/// the attribute refuses at compile time, the binary refuses (a bare number has no unit;
+/// zero is no duration).
+#[test]
+fn durations_are_read_as_the_attribute_reads_them() {
+    for (value, says) in [
+        ("30", "needs a unit"),
+        ("0s", "greater than zero"),
+        ("0", "needs a unit"),
+    ] {
+        let output = distlock(&[], &["run", "k", "--ttl", value, "--", "true"], "");
+        assert_eq!(
+            output.status.code(),
+            Some(2),
+            "--ttl {value}: {}",
+            text(&output)
+        );
+        assert!(
+            text(&output).contains(says),
+            "--ttl {value}: {}",
+            text(&output)
+        );
+        let parsed = distlock::parse_duration(value).unwrap_err().to_string();
+        assert!(parsed.contains(says), "parse_duration({value:?}): {parsed}");
+    }
+}

@@ -105,21 +105,12 @@ enum Command {
     },
 }
 
+/// The duration syntax of the library and the attribute: `30s`, `500ms`, `2m`, `1h`.
 fn parse_duration(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let (number, unit) = text
-        .find(|c: char| !c.is_ascii_digit())
-        .map_or((text, "s"), |at| text.split_at(at));
-    let n: u64 = number
-        .parse()
-        .map_err(|_| format!("`{text}` is not a duration such as 30s or 500ms"))?;
-    match unit {
-        "ms" => Ok(Duration::from_millis(n)),
-        "s" => Ok(Duration::from_secs(n)),
-        "m" => Ok(Duration::from_secs(n.saturating_mul(60))),
-        "h" => Ok(Duration::from_secs(n.saturating_mul(3600))),
-        _ => Err(format!("`{text}`: the unit must be ms, s, m or h")),
-    }
+    distlock::parse_duration(text).map_err(|error| match error {
+        distlock::LockError::InvalidInput { reason, .. } => reason,
+        other => other.to_string(),
+    })
 }
 
 #[tokio::main]
