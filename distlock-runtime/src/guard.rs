@@ -37,6 +37,8 @@ pub(crate) struct Parts {
     /// The hold on the server, shared with the other guards of this owner that nest in it.
     pub(crate) held: Arc<Held>,
     pub(crate) metrics: crate::metrics::Labels,
+    /// The `lock.hold` span, from the grant to the release.
+    pub(crate) span: crate::trace::HoldSpan,
 }
 
 /// Proof that this owner holds a lock. Dropping it releases the lock.
@@ -86,6 +88,18 @@ impl LockGuard {
             None => Hold::Unlisted,
         };
         Self { parts, hold }
+    }
+
+    /// Opens the hold's `lock.hold` span, under the caller's current span.
+    pub(crate) fn start_span(&mut self, labels: crate::metrics::Labels) {
+        let held = &self.parts.held;
+        self.parts.span = crate::trace::HoldSpan::start(&crate::trace::HoldFields {
+            labels,
+            key: &self.parts.name,
+            token: &held.ids.token,
+            fence: self.parts.fence,
+            passes: held.passes,
+        });
     }
 
     /// Whether the manager shut down before this guard could be listed with it.
@@ -265,6 +279,7 @@ impl LockGuard {
     /// manager's background runtime. After [`LockManager::shutdown`] gave the lock back, this
     /// returns [`LockError::ShutDown`].
     pub async fn release(mut self) -> Result<(), LockError> {
+        self.parts.span.releasing();
         self.parts.renewal = None;
         if !self.unlist() {
             return Err(LockError::ShutDown);
@@ -550,8 +565,10 @@ impl LockGuard {
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
-        let lost = self.is_lost() && !self.given_back_by_shutdown();
+        let shutdown = self.given_back_by_shutdown();
+        let lost = self.is_lost() && !shutdown;
         crate::metrics::hold_ended(self.parts.metrics, self.parts.acquired.sent, lost);
+        self.parts.span.end(shutdown, lost);
         self.parts.renewal = None;
         if self.unlist() && self.parts.held.leave() {
             let keep_until = self.parts.held.keep_until();

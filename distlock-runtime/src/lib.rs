@@ -84,6 +84,7 @@ pub mod request;
 mod retry;
 mod scripts;
 mod security;
+mod trace;
 mod waiters;
 mod watchdog;
 

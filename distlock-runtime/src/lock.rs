@@ -38,8 +38,7 @@ async fn acquire_one(request: LockRequest<'_>) -> Result<LockGuard, LockError> {
     if manager.inner.holds.is_shut_down() {
         return Err(LockError::ShutDown);
     }
-    let span =
-        tracing::debug_span!("lock.acquire", template = plan.template(), key = %plan.keys.name);
+    let span = crate::trace::acquire(plan.metrics, &plan.keys.name);
     let (labels, timer) = (plan.metrics, crate::metrics::Timer::start());
     let asking = {
         let _entered = span.enter();
@@ -47,7 +46,14 @@ async fn acquire_one(request: LockRequest<'_>) -> Result<LockGuard, LockError> {
     };
     let result = match asking {
         Ok(Asking::Nested(guard)) => Ok(*guard),
-        Ok(Asking::Server(asking)) => take(manager, asking).instrument(span).await,
+        Ok(Asking::Server(asking)) => {
+            let taking = async {
+                let result = take(manager, asking).await;
+                crate::trace::acquired(&tracing::Span::current(), &result);
+                result
+            };
+            taking.instrument(span).await
+        }
         Err(error) => Err(error),
     };
     let result = match result {
@@ -62,7 +68,11 @@ async fn acquire_one(request: LockRequest<'_>) -> Result<LockGuard, LockError> {
         result => result,
     };
     crate::metrics::acquire_ended(labels, timer, &result);
-    result
+    result.map(|mut guard| {
+        // Here, outside the acquire span: the hold is a child of the caller's span.
+        guard.start_span(labels);
+        guard
+    })
 }
 
 /// What a request for one lock asks of the server, once the task's own holds are looked at.
@@ -413,6 +423,7 @@ fn build(
         renewal,
         held,
         metrics: plan.metrics,
+        span: crate::trace::HoldSpan::default(),
     })
 }
 

@@ -106,32 +106,37 @@ pub(crate) fn election_ended(election: &str, lost: bool) {
     }
 }
 
-/// The labels of one request: its key template and lock kind.
+/// The labels of one request: its key template and lock kind (in metrics and in spans).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Labels {
-    #[cfg(feature = "metrics")]
     template: &'static str,
-    #[cfg(feature = "metrics")]
     kind: &'static str,
 }
 
 impl Labels {
-    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
     pub(crate) fn new(template: &'static str, kind: RequestKind) -> Self {
         #[cfg(feature = "metrics")]
         {
             static DESCRIBED: std::sync::Once = std::sync::Once::new();
             DESCRIBED.call_once(describe);
-            let kind = match kind {
-                RequestKind::Exclusive => "exclusive",
-                RequestKind::Read => "read",
-                RequestKind::Write => "write",
-                RequestKind::Permits(_) => "semaphore",
-            };
-            Self { template, kind }
         }
-        #[cfg(not(feature = "metrics"))]
-        Self {}
+        let kind = match kind {
+            RequestKind::Exclusive => "exclusive",
+            RequestKind::Read => "read",
+            RequestKind::Write => "write",
+            RequestKind::Permits(_) => "semaphore",
+        };
+        Self { template, kind }
+    }
+
+    /// The key template.
+    pub(crate) fn template(&self) -> &'static str {
+        self.template
+    }
+
+    /// The lock kind: `exclusive`, `read`, `write` or `semaphore`.
+    pub(crate) fn kind(&self) -> &'static str {
+        self.kind
     }
 }
 

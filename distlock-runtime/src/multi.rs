@@ -45,12 +45,26 @@ async fn acquire_set(mut request: MultiLockRequest<'_>) -> Result<MultiGuard, Lo
         return Err(LockError::ShutDown);
     }
     let names: Vec<&str> = plan.keys.iter().map(|k| k.name.as_str()).collect();
-    let span = tracing::debug_span!("lock.acquire_all", template = plan.template(), keys = ?names);
-    let guard = Box::pin(take_set(manager, plan).instrument(span)).await?;
+    let span = crate::trace::acquire(plan.metrics, &names.join(","));
+    let taking = async {
+        let result = take_set(manager, plan).await;
+        crate::trace::acquired(&tracing::Span::current(), &result);
+        result
+    };
+    let mut guard = Box::pin(taking.instrument(span)).await?;
     if guard.listing == Listing::Unlisted {
         // Granted while the manager shut down: dropping it gives it back.
         return Err(LockError::ShutDown);
     }
+    // Here, outside the acquire span: the hold is a child of the caller's span.
+    let keys = guard.names.join(",");
+    guard.span = crate::trace::HoldSpan::start(&crate::trace::HoldFields {
+        labels: guard.metrics,
+        key: &keys,
+        token: &guard.request.token,
+        fence: None,
+        passes: 0,
+    });
     Ok(guard)
 }
 
@@ -184,6 +198,7 @@ fn grant_set(
         renewals,
         held,
         metrics: plan.metrics,
+        span: crate::trace::HoldSpan::default(),
     }
 }
 
@@ -278,6 +293,8 @@ pub struct MultiGuard {
     held: Vec<Arc<Held>>,
     listing: Listing,
     metrics: crate::metrics::Labels,
+    /// The `lock.hold` span of the set, from the grant to the release.
+    span: crate::trace::HoldSpan,
 }
 
 /// Where a set's locks stand with its manager (as a `LockGuard`'s hold does).
@@ -471,6 +488,7 @@ impl MultiGuard {
     /// [`LockGuard::release`]; and as for it, if this future is dropped before Redis answers,
     /// the release is still sent, from the manager's background runtime.
     pub async fn release(mut self) -> Result<(), LockError> {
+        self.span.releasing();
         self.renewals.clear();
         if !self.unlist() {
             return Err(LockError::ShutDown);
@@ -593,11 +611,13 @@ impl MultiGuard {
 
 impl Drop for MultiGuard {
     fn drop(&mut self) {
+        let shutdown = self.given_back_by_shutdown();
+        let lost = self.lease.is_lost() && !shutdown;
         if !self.fresh.is_empty() {
             // A set of nested holds only is counted by those holds, under the set's label.
-            let lost = self.lease.is_lost() && !self.given_back_by_shutdown();
             crate::metrics::hold_ended(self.metrics, self.acquired.sent, lost);
         }
+        self.span.end(shutdown, lost);
         self.renewals.clear();
         if self.unlist() && !self.fresh.is_empty() {
             let (request, fresh) = self.last_holds();

@@ -375,11 +375,6 @@ pub(crate) struct Plan<K> {
 }
 
 impl<K> Plan<K> {
-    /// The key template this request names itself by, in metrics and tracing.
-    pub(crate) fn template(&self) -> &'static str {
-        self.options.template.unwrap_or("<manual>")
-    }
-
     /// The same plan, for other keys (a set's plan for one of its keys).
     pub(crate) fn with_keys<L>(&self, keys: L) -> Plan<L> {
         Plan {

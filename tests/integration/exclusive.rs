@@ -478,6 +478,6 @@ async fn acquire_and_release_futures_stay_small() {
     let release_size = std::mem::size_of_val(&release);
     release.await.unwrap();
     println!("acquire() {acquire_size} bytes, release() {release_size} bytes");
-    assert!(acquire_size <= 3248, "acquire() is {acquire_size} bytes");
-    assert!(release_size <= 2696, "release() is {release_size} bytes");
+    assert!(acquire_size <= 3280, "acquire() is {acquire_size} bytes");
+    assert!(release_size <= 2720, "release() is {release_size} bytes");
 }

@@ -48,6 +48,7 @@ mod replication;
 mod secrets;
 mod sentinel;
 mod shared;
+mod spans;
 mod tls;
 mod topology_seams;
 mod waiting;

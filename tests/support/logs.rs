@@ -13,6 +13,10 @@ use tracing::{Event, Metadata, Subscriber};
 pub struct Logs {
     lines: Arc<Mutex<Vec<String>>>,
     next_span: Arc<AtomicU64>,
+    /// The spans entered, innermost last (the test runs on one thread).
+    entered: Arc<Mutex<Vec<u64>>>,
+    /// What each span is, for `Span::current()`.
+    metadata: Arc<Mutex<std::collections::HashMap<u64, &'static Metadata<'static>>>>,
 }
 
 impl Logs {
@@ -59,17 +63,36 @@ impl Subscriber for Logs {
         true
     }
 
+    /// `SPAN name id=N parent=P level=L field=value …` (`parent=0`: a root span).
     fn new_span(&self, span: &Attributes<'_>) -> Id {
-        let mut line = Line(format!("SPAN {}", span.metadata().name()));
+        let id = self.next_span.fetch_add(1, Ordering::Relaxed) + 1;
+        let parent = match span.parent() {
+            Some(parent) => parent.into_u64(),
+            None if span.is_contextual() => {
+                self.entered.lock().unwrap().last().copied().unwrap_or(0)
+            }
+            None => 0,
+        };
+        self.metadata.lock().unwrap().insert(id, span.metadata());
+        let level = span.metadata().level();
+        let name = span.metadata().name();
+        let mut line = Line(format!("SPAN {name} id={id} parent={parent} level={level}"));
         span.record(&mut line);
         self.push(line.0);
-        Id::from_u64(self.next_span.fetch_add(1, Ordering::Relaxed) + 1)
+        Id::from_u64(id)
     }
 
-    fn record(&self, _: &Id, values: &Record<'_>) {
-        let mut line = Line("SPAN-RECORD".to_owned());
+    /// `SPAN-RECORD id=N field=value …`.
+    fn record(&self, id: &Id, values: &Record<'_>) {
+        let mut line = Line(format!("SPAN-RECORD id={}", id.into_u64()));
         values.record(&mut line);
         self.push(line.0);
+    }
+
+    /// `SPAN-CLOSE id=N`.
+    fn try_close(&self, id: Id) -> bool {
+        self.push(format!("SPAN-CLOSE id={}", id.into_u64()));
+        true
     }
 
     fn record_follows_from(&self, _: &Id, _: &Id) {}
@@ -80,7 +103,26 @@ impl Subscriber for Logs {
         self.push(line.0);
     }
 
-    fn enter(&self, _: &Id) {}
+    fn current_span(&self) -> tracing_core::span::Current {
+        let entered = self.entered.lock().unwrap();
+        let metadata = self.metadata.lock().unwrap();
+        match entered
+            .last()
+            .and_then(|id| Some((*id, *metadata.get(id)?)))
+        {
+            Some((id, meta)) => tracing_core::span::Current::new(Id::from_u64(id), meta),
+            None => tracing_core::span::Current::none(),
+        }
+    }
 
-    fn exit(&self, _: &Id) {}
+    fn enter(&self, id: &Id) {
+        self.entered.lock().unwrap().push(id.into_u64());
+    }
+
+    fn exit(&self, id: &Id) {
+        let mut entered = self.entered.lock().unwrap();
+        if let Some(at) = entered.iter().rposition(|&one| one == id.into_u64()) {
+            entered.remove(at);
+        }
+    }
 }
