@@ -81,10 +81,9 @@ async fn a_request_that_waited_held_and_released_is_traced_under_the_callers_spa
         let lines = logs.lines();
         let line = lines
             .iter()
-            .filter(|l| {
+            .rfind(|l| {
                 l.starts_with("SPAN lock.acquire ") && l.contains(&format!("parent={job_id} "))
             })
-            .last()
             .cloned()
             .unwrap_or_else(|| panic!("no lock.acquire under the job: {lines:?}"));
         let id = field(&line, "id").to_owned();
@@ -104,8 +103,7 @@ async fn a_request_that_waited_held_and_released_is_traced_under_the_callers_spa
     let hold = logs
         .lines()
         .into_iter()
-        .filter(|l| l.starts_with("SPAN lock.hold ") && l.contains(&format!("parent={job_id} ")))
-        .last()
+        .rfind(|l| l.starts_with("SPAN lock.hold ") && l.contains(&format!("parent={job_id} ")))
         .unwrap_or_else(|| panic!("no lock.hold under the job: {:?}", logs.lines()));
     let hold_id = field(&hold, "id").to_owned();
     assert!(hold.contains("level=INFO"), "{hold}");
