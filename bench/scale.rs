@@ -121,6 +121,12 @@ async fn take_all(
 
 /// Gives every guard back with [`TAKERS`] tasks; the time it took.
 async fn give_back(guards: Vec<LockGuard>) -> Duration {
+    give_back_counting(guards).await.0
+}
+
+/// Gives every guard back with [`TAKERS`] tasks; the time it took, and how many releases
+/// answered that the lease had been lost.
+async fn give_back_counting(guards: Vec<LockGuard>) -> (Duration, u64) {
     let started = Instant::now();
     let mut chunks: Vec<Vec<LockGuard>> = (0..TAKERS).map(|_| Vec::new()).collect();
     for (i, guard) in guards.into_iter().enumerate() {
@@ -129,13 +135,22 @@ async fn give_back(guards: Vec<LockGuard>) -> Duration {
     let mut set = tokio::task::JoinSet::new();
     for chunk in chunks {
         set.spawn(async move {
+            let mut lost = 0;
             for guard in chunk {
-                guard.release().await.expect("release");
+                match guard.release().await {
+                    Ok(()) => {}
+                    Err(distlock::LockError::Lost { .. }) => lost += 1,
+                    Err(error) => panic!("release: {error}"),
+                }
             }
+            lost
         });
     }
-    while set.join_next().await.is_some() {}
-    started.elapsed()
+    let mut lost = 0;
+    while let Some(n) = set.join_next().await {
+        lost += n.expect("releaser");
+    }
+    (started.elapsed(), lost)
 }
 
 /// Server memory per bare `SET key token PX` of the same key and token lengths.
@@ -175,6 +190,8 @@ struct Held {
     take: Duration,
     client_per_hold: f64,
     server_per_hold: f64,
+    renewed: u64,
+    due: u64,
     renewed_per_sec: f64,
     due_per_sec: f64,
     late_p99: Option<Duration>,
@@ -184,14 +201,14 @@ struct Held {
     left: String,
 }
 
-/// Takes `n` locks (with the watchdog if `watch` is some: the window to hold them for),
-/// holds them, gives them back.
+/// Takes `n` locks (with the watchdog if `watch` is some: the renewal rounds to hold them
+/// for), holds them, gives them back.
 async fn held(
     server: &RedisServer,
     url: &str,
     n: usize,
     ttl: Duration,
-    watch: Option<Duration>,
+    watch: Option<u32>,
 ) -> Held {
     let locks = manager(url).await;
     let (memory, resident) = (used_memory(server), rss());
@@ -202,6 +219,8 @@ async fn held(
         take,
         client_per_hold,
         server_per_hold,
+        renewed: 0,
+        due: 0,
         renewed_per_sec: 0.0,
         due_per_sec: 0.0,
         late_p99: None,
@@ -210,19 +229,25 @@ async fn held(
         give_back: Duration::ZERO,
         left: String::new(),
     };
-    if let Some(window) = watch {
+    if let Some(rounds) = watch {
+        // Every lease falls due `rounds` times within this window (each was taken less than
+        // a quarter of an interval before it starts), and its renewal lands in it unless late.
         let interval = ttl / 3;
+        let window = interval * rounds + interval / 4;
         let every = interval / 20;
         let before = locks.stats();
         let cpu = harness::server_cpu(server);
         let started = Instant::now();
+        // Lateness is sampled on at most 10,000 leases, so that sampling costs little.
+        let step = (n / 10_000).max(1);
+        let sampled: Vec<&LockGuard> = guards.iter().step_by(step).collect();
         // The lease left right after a renewal (or the take), and at the last sample.
-        let mut last: Vec<Duration> = guards.iter().map(LockGuard::remaining).collect();
+        let mut last: Vec<Duration> = sampled.iter().map(|g| g.remaining()).collect();
         let mut fresh = last.iter().copied().max().unwrap_or_default();
         let mut lateness = Vec::new();
         while started.elapsed() < window {
             tokio::time::sleep(every).await;
-            for (guard, last) in guards.iter().zip(&mut last) {
+            for (guard, last) in sampled.iter().zip(&mut last) {
                 let now = guard.remaining();
                 if now > *last + every {
                     fresh = fresh.max(now);
@@ -236,13 +261,20 @@ async fn held(
         let elapsed = started.elapsed().as_secs_f64();
         let after = locks.stats();
         row.server_cpu = (harness::server_cpu(server) - cpu).as_secs_f64() / elapsed;
-        row.renewed_per_sec = (after.leases_renewed - before.leases_renewed) as f64 / elapsed;
+        row.renewed = after.leases_renewed - before.leases_renewed;
+        row.due = n as u64 * u64::from(rounds);
+        row.renewed_per_sec = row.renewed as f64 / elapsed;
         row.due_per_sec = n as f64 / interval.as_secs_f64();
-        row.lost = after.leases_lost;
+        // Found lost by a renewal, or past the local deadline without one.
+        row.lost = after
+            .leases_lost
+            .max(guards.iter().filter(|g| g.is_lost()).count() as u64);
         lateness.sort();
         row.late_p99 = Some(percentile(&lateness, 0.99)).filter(|_| !lateness.is_empty());
     }
-    row.give_back = give_back(guards).await;
+    let (took, lost) = give_back_counting(guards).await;
+    row.give_back = took;
+    row.lost = row.lost.max(lost);
     row.left = left(server).await;
     row
 }
@@ -438,20 +470,11 @@ pub(crate) async fn run(args: &[String], quick: bool) -> Result<(), Box<dyn std:
         .into_iter()
         .filter(|&n| n <= max)
         .collect();
-    let (hold_30, hold_3, quiet, run) = if quick {
-        (
-            Duration::from_secs(4),
-            Duration::from_secs(2),
-            Duration::from_secs(2),
-            Duration::from_secs(2),
-        )
+    // Renewal rounds held for, at ttl 30 s (10 s each) and 3 s (1 s each).
+    let (rounds_30, rounds_3, quiet, run) = if quick {
+        (1, 2, Duration::from_secs(2), Duration::from_secs(2))
     } else {
-        (
-            Duration::from_secs(12),
-            Duration::from_secs(6),
-            Duration::from_secs(5),
-            Duration::from_secs(4),
-        )
+        (2, 6, Duration::from_secs(5), Duration::from_secs(4))
     };
     let server = RedisServer::start()?;
     let url = server.url();
@@ -463,11 +486,13 @@ pub(crate) async fn run(args: &[String], quick: bool) -> Result<(), Box<dyn std:
     );
 
     println!(
-        "held locks (one manager, {TAKERS} tasks taking them): with `watchdog`, held for {hold_30:?} \
-         (ttl 30 s) or {hold_3:?} (ttl 3 s)"
+        "held locks (one manager, {TAKERS} tasks taking them): with `watchdog`, held for \
+         {rounds_30} renewal rounds at ttl 30 s, {rounds_3} at ttl 3 s (a round: a third of the \
+         ttl); renewed/due: leases renewed in those rounds, of those due; late p99: of the \
+         renewal interval, sampled at a twentieth of it (so at least 5%)"
     );
     println!(
-        "{:>5} {:>5} {:>10} {:>6} {:>10} {:>10} {:>10} {:>17} {:>9} {:>5} {:>7} {:>8} {:>5}",
+        "{:>5} {:>5} {:>10} {:>6} {:>10} {:>10} {:>10} {:>30} {:>9} {:>5} {:>7} {:>8} {:>5}",
         "held",
         "ttl",
         "taken/s",
@@ -475,7 +500,7 @@ pub(crate) async fn run(args: &[String], quick: bool) -> Result<(), Box<dyn std:
         "client",
         "server",
         "floor",
-        "renewed/due /s",
+        "renewed/due, per s",
         "late p99",
         "lost",
         "srv cpu",
@@ -487,7 +512,7 @@ pub(crate) async fn run(args: &[String], quick: bool) -> Result<(), Box<dyn std:
         let plain = held(&server, &url, n, Duration::from_secs(30), None).await;
         let plain_rate = n as f64 / plain.take.as_secs_f64();
         println!(
-            "{:>5} {:>5} {:>10.0} {:>6} {:>10} {:>10} {:>10} {:>17} {:>9} {:>5} {:>7} {:>8.2?} {:>5}",
+            "{:>5} {:>5} {:>10.0} {:>6} {:>10} {:>10} {:>10} {:>30} {:>9} {:>5} {:>7} {:>8.2?} {:>5}",
             thousands(n),
             "no wd",
             plain_rate,
@@ -502,13 +527,13 @@ pub(crate) async fn run(args: &[String], quick: bool) -> Result<(), Box<dyn std:
             plain.give_back,
             plain.left
         );
-        for (ttl, window) in [(30, hold_30), (3, hold_3)] {
+        for (ttl, rounds) in [(30, rounds_30), (3, rounds_3)] {
             let ttl = Duration::from_secs(ttl);
-            let h = held(&server, &url, n, ttl, Some(window)).await;
+            let h = held(&server, &url, n, ttl, Some(rounds)).await;
             let rate = n as f64 / h.take.as_secs_f64();
             let interval = ttl / 3;
             println!(
-                "{:>5} {:>5} {:>10.0} {:>5.2}x {:>10} {:>10} {:>10} {:>17} {:>9} {:>5} {:>6.1}% {:>8.2?} {:>5}",
+                "{:>5} {:>5} {:>10.0} {:>5.2}x {:>10} {:>10} {:>10} {:>30} {:>9} {:>5} {:>6.1}% {:>8.2?} {:>5}",
                 thousands(n),
                 format!("{}s", ttl.as_secs()),
                 rate,
@@ -516,7 +541,10 @@ pub(crate) async fn run(args: &[String], quick: bool) -> Result<(), Box<dyn std:
                 kib(h.client_per_hold),
                 format!("{:.0} B", h.server_per_hold),
                 format!("{bare:.0} B"),
-                format!("{:.0} / {:.0}", h.renewed_per_sec, h.due_per_sec),
+                format!(
+                    "{}/{} {:.0}/{:.0}/s",
+                    h.renewed, h.due, h.renewed_per_sec, h.due_per_sec
+                ),
                 h.late_p99.map_or("-".to_owned(), |late| format!(
                     "{:.1}%",
                     late.as_secs_f64() * 100.0 / interval.as_secs_f64()
