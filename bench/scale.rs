@@ -119,11 +119,6 @@ async fn take_all(
     (guards.into_iter().map(|(_, guard)| guard).collect(), took)
 }
 
-/// Gives every guard back with [`TAKERS`] tasks; the time it took.
-async fn give_back(guards: Vec<LockGuard>) -> Duration {
-    give_back_counting(guards).await.0
-}
-
 /// Gives every guard back with [`TAKERS`] tasks; the time it took, and how many releases
 /// answered that the lease had been lost.
 async fn give_back_counting(guards: Vec<LockGuard>) -> (Duration, u64) {
