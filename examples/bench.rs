@@ -2,7 +2,9 @@
 //!
 //! Run it with `cargo run --release --example bench` (add `-- --quick` for a short run,
 //! `-- --reps 5` for medians of five runs of the uncontended rows, `-- --server valkey` or
-//! `-- --server /path/to/valkey-server` to measure another server, or `-- --soak 1000000` to
+//! `-- --server /path/to/valkey-server` to measure another server, `-- --scale` for what 1k,
+//! 10k and 100k held locks, waiters and 1–32 managers cost (`-- --scale-max 10000` to stop
+//! earlier; see `bench/scale.rs`), or `-- --soak 1000000` to
 //! check that a million cycles leave nothing behind, or `-- --only manual 1` to run one
 //! uncontended workload — `raw`, `manual` or `annotated` — with that many tasks for the row's
 //! time, alone, for a profiler such as `valgrind --tool=callgrind`). It starts its own
@@ -19,6 +21,8 @@ use distlock::testing::RedisServer;
 
 #[path = "../bench/harness.rs"]
 mod harness;
+#[path = "../bench/scale.rs"]
+mod scale;
 
 use harness::{Annotated, Commands, Fair, Manual, Raw, Server};
 
@@ -106,6 +110,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         return soak(cycles).await;
     }
     let options = harness::Options::parse(&args, 1)?;
+    if args.iter().any(|a| a == "--scale") {
+        return scale::run(&args, options.quick).await;
+    }
     let run = options.run;
     let server = RedisServer::start()?;
     let url = server.url();

@@ -79,24 +79,49 @@ pub(crate) fn after(
     if !queued && queues {
         return Step::Queue;
     }
-    sleep(bounds, backoff, attempts, holder_ttl, sitting_out, now)
+    let holder = Holder {
+        lease: holder_ttl,
+        announced: false,
+    };
+    sleep(bounds, backoff, attempts, holder, sitting_out, now)
 }
 
-/// Until when to wait before asking again: the backoff with full jitter, capped by the
-/// holder's lease (an expiry is announced by nobody), by the request's deadline and by the
-/// end of a sit-out. `GiveUp` when the deadline has passed.
+/// What a waiter knows of the lock's holder when it goes to sleep.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Holder {
+    /// How long the lock stays as it is at most, unless a release announces a change: the
+    /// holder's remaining lease (for shares, the first share's), if the server said.
+    pub(crate) lease: Option<Duration>,
+    /// A release would reach this waiter: its manager follows the lock's wake channel now.
+    pub(crate) announced: bool,
+}
+
+/// Until when to wait before asking again, bounded by the request's deadline and by the end
+/// of a sit-out. `GiveUp` when the deadline has passed.
+///
+/// A waiter that a release would reach (`holder.announced`) and that waits by time, not by a
+/// count of attempts, sleeps until the holder's lease ends: the lock cannot become free
+/// before that without a release, and every release publishes its wake-up (a lost pub/sub
+/// connection wakes every waiter too). Any other waiter (not subscribed, no lease known, or
+/// spending a number of retries at the backoff's pace) takes the backoff with full jitter,
+/// capped by the holder's lease, since an expiry is announced by nobody.
 pub(crate) fn sleep(
     bounds: Bounds,
     backoff: &Backoff,
     attempts: u32,
-    holder_ttl: Option<Duration>,
+    holder: Holder,
     sitting_out: Option<Instant>,
     now: Instant,
 ) -> Step {
     if bounds.deadline.is_some_and(|deadline| deadline <= now) {
         return Step::GiveUp;
     }
-    let mut until = now + backoff.delay(attempts, holder_ttl);
+    let by_time = bounds.retries == u32::MAX;
+    let delay = match holder.lease {
+        Some(lease) if holder.announced && by_time => crate::retry::past_lease(lease),
+        lease => backoff.delay(attempts, lease),
+    };
+    let mut until = crate::lease::saturating_add(now, delay);
     for bound in [bounds.deadline, sitting_out].into_iter().flatten() {
         until = until.min(bound);
     }
@@ -169,7 +194,10 @@ mod tests {
             Step::GiveUp
         );
         // A deadline passed while the loop was not asking.
-        assert_eq!(sleep(late, &backoff(), 3, None, None, now), Step::GiveUp);
+        assert_eq!(
+            sleep(late, &backoff(), 3, Holder::default(), None, now),
+            Step::GiveUp
+        );
     }
 
     #[test]
@@ -218,20 +246,97 @@ mod tests {
             other => panic!("expected a sleep, got {other:?}"),
         };
         // The holder's lease ends in 30 ms: nobody announces an expiry.
-        let holder = Some(Duration::from_millis(30));
+        let holder = Holder {
+            lease: Some(Duration::from_millis(30)),
+            announced: false,
+        };
         let by_holder = until(sleep(roomy, &long, 5, holder, None, now));
         assert!(by_holder <= now + Duration::from_millis(31));
         // The deadline comes first.
         let soon = bounds(100, Some(Duration::from_millis(10)), now);
-        assert!(until(sleep(soon, &long, 5, None, None, now)) <= now + Duration::from_millis(10));
+        let none = Holder::default();
+        assert!(until(sleep(soon, &long, 5, none, None, now)) <= now + Duration::from_millis(10));
         // A sit-out ends first.
         let sit = Some(now + Duration::from_millis(5));
         assert_eq!(
-            until(sleep(roomy, &long, 5, None, sit, now)),
+            until(sleep(roomy, &long, 5, none, sit, now)),
             now + Duration::from_millis(5)
         );
         // Otherwise the backoff, within its ceiling.
-        let free = until(sleep(roomy, &backoff(), 1, None, None, now));
+        let free = until(sleep(roomy, &backoff(), 1, none, None, now));
         assert!(free <= now + backoff().ceiling());
+    }
+
+    fn until(step: Step) -> Instant {
+        match step {
+            Step::Sleep { until } => until,
+            other => panic!("expected a sleep, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_subscribed_waiter_bounded_by_time_sleeps_until_the_lease_ends() {
+        let now = Instant::now();
+        // A backoff of 50 ms would look again within 1.6 s; the holder has a minute left.
+        let minute = Some(Duration::from_secs(60));
+        let heard = Holder {
+            lease: minute,
+            announced: true,
+        };
+        let by_time = bounds(u32::MAX, None, now);
+        let lease_end = now + Duration::from_secs(60) + Duration::from_millis(1);
+        for attempts in [2, 3, 40] {
+            assert_eq!(
+                until(sleep(by_time, &backoff(), attempts, heard, None, now)),
+                lease_end
+            );
+        }
+        // A lease that ended as the answer came: look again at once (1 ms).
+        let gone = Holder {
+            lease: Some(Duration::ZERO),
+            announced: true,
+        };
+        assert!(
+            until(sleep(by_time, &backoff(), 2, gone, None, now)) <= now + Duration::from_millis(1)
+        );
+        // Still within the deadline and a sit-out.
+        let soon = bounds(u32::MAX, Some(Duration::from_secs(2)), now);
+        let by_deadline = until(sleep(soon, &backoff(), 2, heard, None, now));
+        assert_eq!(by_deadline, now + Duration::from_secs(2));
+        let sit = Some(now + Duration::from_millis(5));
+        let by_sit_out = until(sleep(by_time, &backoff(), 2, heard, sit, now));
+        assert_eq!(by_sit_out, now + Duration::from_millis(5));
+    }
+
+    #[test]
+    fn other_waiters_keep_the_backoff() {
+        let now = Instant::now();
+        let minute = Some(Duration::from_secs(60));
+        let ceiling = now + backoff().ceiling();
+        let by_time = bounds(u32::MAX, None, now);
+        // Not subscribed: nothing would tell it of a release.
+        let unheard = Holder {
+            lease: minute,
+            announced: false,
+        };
+        // No lease known (a key without expiry, or a failed attempt).
+        let unknown = Holder {
+            lease: None,
+            announced: true,
+        };
+        for holder in [unheard, unknown] {
+            for _ in 0..20 {
+                assert!(until(sleep(by_time, &backoff(), 9, holder, None, now)) <= ceiling);
+            }
+        }
+        // A number of retries is spent at the backoff's pace, subscribed or not.
+        let counted = bounds(5, None, now);
+        let heard = Holder {
+            lease: minute,
+            announced: true,
+        };
+        for _ in 0..20 {
+            assert!(until(sleep(counted, &backoff(), 3, heard, None, now)) <= ceiling);
+        }
     }
 }

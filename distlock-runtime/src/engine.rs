@@ -17,7 +17,7 @@ use tokio::sync::oneshot;
 use crate::LockError;
 use crate::backend::FAIR_REFRESH;
 use crate::context::RequestKind;
-use crate::decide::{self, Answer, Bounds, Step};
+use crate::decide::{self, Answer, Bounds, Holder, Step};
 use crate::key::Keys;
 use crate::manager::Inner;
 use crate::metrics::Labels;
@@ -496,19 +496,25 @@ impl<'a, A: Ask> Engine<'a, A> {
         }
     }
 
-    /// Waits for a release, a hand-off, or the fallback timer (backoff with full jitter,
-    /// capped by the holder's lease) that catches an expiry or a missed announcement.
+    /// Waits for a release, a hand-off, or the fallback timer that catches an expiry or a
+    /// missed announcement: the end of the holder's lease while the wake channel is followed,
+    /// else backoff with full jitter capped by that lease (see [`decide::sleep`]).
     async fn pause(
         &mut self,
         holder_ttl: Option<Duration>,
         sitting_out: Option<Instant>,
         seen: Option<u64>,
     ) -> Result<Option<Handed>, LockError> {
+        // Checked as it goes to sleep: a connection lost from here on wakes it (`recover`).
+        let holder = Holder {
+            lease: holder_ttl,
+            announced: self.ticket().is_some_and(Ticket::is_subscribed),
+        };
         let step = decide::sleep(
             self.bounds,
             &self.backoff,
             self.attempts,
-            holder_ttl,
+            holder,
             sitting_out,
             Instant::now(),
         );

@@ -1,4 +1,5 @@
-//! When to try again: exponential backoff with full jitter, bounded by the holder's lease.
+//! When to try again: exponential backoff with full jitter, bounded by the holder's lease;
+//! or, for a waiter that a release would reach, the end of that lease.
 
 use std::time::Duration;
 
@@ -41,6 +42,12 @@ impl Backoff {
     }
 }
 
+/// A wait that ends just after a lease of `lease` from now: the first moment its key may be
+/// gone by expiry (the lease counted from the attempt that read it, sent before now).
+pub(crate) fn past_lease(lease: Duration) -> Duration {
+    lease.saturating_add(Duration::from_millis(1)).min(MAX_TTL)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -66,6 +73,14 @@ mod tests {
                 assert!(backoff.delay(attempt, Some(Duration::MAX)) <= MAX_TTL);
             }
         }
+    }
+
+    #[test]
+    fn a_wait_past_the_lease_ends_just_after_it() {
+        let lease = Duration::from_secs(60);
+        assert_eq!(past_lease(lease), lease + Duration::from_millis(1));
+        assert_eq!(past_lease(Duration::ZERO), Duration::from_millis(1));
+        assert_eq!(past_lease(Duration::MAX), MAX_TTL);
     }
 
     #[test]

@@ -4,9 +4,10 @@
 //! Redis. The head is woken by the release itself: the release script publishes on the
 //! lock's wake channel (`prefix{key}:wake`), which the manager follows on one shared pub/sub
 //! connection, subscribed per key while the key has local waiters; a release made by this
-//! manager also wakes the head directly. A timed retry with full jitter, bounded by the
-//! holder's remaining lease, stays as the fallback for expiries (which publish nothing) and
-//! for a pub/sub connection that is down.
+//! manager also wakes the head directly. A timed look stays as the fallback for expiries
+//! (which publish nothing): while the channel is followed, at the end of the holder's
+//! remaining lease (a lost connection wakes every waiter to look again); while it is not, a
+//! retry with full jitter, bounded by that lease.
 //!
 //! A waiter whose request is a plain exclusive lock also leaves an *offer* while it waits (not
 //! while an attempt of its own is in flight): its owner token and lease. A release by this

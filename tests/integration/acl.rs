@@ -248,3 +248,40 @@ async fn builder_credentials_replace_the_urls() {
         .unwrap_err();
     assert!(matches!(wrong, LockError::Config(_)), "{wrong:?}");
 }
+
+/// A user without the locks' channels: its waiters cannot follow releases, so they keep the
+/// timed look (backoff, bounded by the holder's lease) and get in soon after a release,
+/// however long the holder's lease.
+#[tokio::test]
+async fn a_waiter_that_cannot_subscribe_is_let_in_by_its_timer() {
+    let prefix = "acl:";
+    let rules = LockManager::acl_rules(prefix).replace("resetchannels &acl:*", "resetchannels");
+    assert!(!rules.contains('&'), "{rules}");
+    let server = server_with_user(&rules);
+    let holder = support::manager(&server, prefix).await;
+    let waiter = manager_as_locker(&server, prefix).await.unwrap();
+    let held = holder
+        .lock("k")
+        .ttl(Duration::from_secs(3600))
+        .acquire()
+        .await
+        .unwrap();
+    let waiting = tokio::spawn(async move {
+        waiter
+            .lock("k")
+            .wait(Duration::from_secs(60))
+            .acquire()
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    held.release().await.unwrap();
+    // Its timer looks within 1.6 s (50 ms doubling to 32 times that); a failed subscription is
+    // tried again only every connect timeout (10 s here).
+    let guard = tokio::time::timeout(Duration::from_secs(8), waiting)
+        .await
+        .expect("let in by its timer")
+        .unwrap()
+        .unwrap();
+    // Its release cannot publish on the channel either (the script fails): the lease ends it.
+    drop(guard);
+}

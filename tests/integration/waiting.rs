@@ -142,6 +142,78 @@ async fn an_expired_lock_is_taken_over_by_the_fallback_timer() {
     guard.release().await.unwrap();
 }
 
+/// A waiter that follows the wake channel and waits by time looks again when the holder's
+/// lease ends, not before: only a release could free the lock sooner, and a release wakes
+/// it. A holder that died is taken over at once then.
+#[tokio::test]
+async fn a_subscribed_waiter_looks_again_when_the_lease_ends_not_before() {
+    let server = shared_server();
+    let prefix = unique_prefix("lease-end");
+    let holder = manager(&server, &prefix).await;
+    let waiter = manager(&server, &prefix).await;
+    std::mem::forget(
+        holder
+            .lock("k")
+            .ttl(Duration::from_millis(1500))
+            .acquire()
+            .await
+            .unwrap(),
+    );
+    let guard = tokio::time::timeout(
+        Duration::from_secs(10),
+        waiter
+            .lock("k")
+            .retry_delay(Duration::from_millis(1))
+            .wait(Duration::from_secs(60))
+            .acquire(),
+    )
+    .await
+    .expect("taken when the holder's lease ended")
+    .unwrap();
+    // The first look, the look again after joining the queue, the look at the lease's end
+    // (and one spare, for a subscription that came late): a backoff of 1 ms to 32 ms would
+    // have looked dozens of times in 1.5 s.
+    assert!(guard.attempts() <= 4, "{} attempts", guard.attempts());
+    guard.release().await.unwrap();
+}
+
+/// A permit whose holder died frees when its own lease ends, although the other permit is
+/// held for a minute: a waiter that follows the wake channel looks again then, not at the end
+/// of the lock's longest lease.
+#[tokio::test]
+async fn a_subscribed_semaphore_waiter_looks_again_when_the_first_permit_ends() {
+    let server = shared_server();
+    let prefix = unique_prefix("permit-end");
+    let holder = manager(&server, &prefix).await;
+    let waiter = manager(&server, &prefix).await;
+    let kept = holder
+        .semaphore("pool", 2)
+        .ttl(Duration::from_secs(60))
+        .acquire()
+        .await
+        .unwrap();
+    std::mem::forget(
+        holder
+            .semaphore("pool", 2)
+            .ttl(Duration::from_millis(1000))
+            .acquire()
+            .await
+            .unwrap(),
+    );
+    let guard = tokio::time::timeout(
+        Duration::from_secs(10),
+        waiter
+            .semaphore("pool", 2)
+            .wait(Duration::from_secs(30))
+            .acquire(),
+    )
+    .await
+    .expect("a permit was taken when the dead holder's lease ended")
+    .unwrap();
+    guard.release().await.unwrap();
+    kept.release().await.unwrap();
+}
+
 #[tokio::test]
 async fn nothing_is_left_after_waiters_time_out_are_cancelled_or_succeed() {
     let server = shared_server();

@@ -14,7 +14,8 @@
 --
 -- Returns {1, fence} when the caller holds the lock (fence is 0 without fencing),
 -- or {0, pttl} when another owner (of any kind, or the min_hold marker) holds it for pttl
--- more milliseconds. Only this owner's own exclusive or write lock is re-entered.
+-- more milliseconds (readers or permits: until the first of their leases ends, see busy_for).
+-- Only this owner's own exclusive or write lock is re-entered.
 -- Idempotent per hold id: a request resent after a lost reply finds its own hold and
 -- succeeds again without counting twice or drawing a second fencing token.
 
@@ -58,7 +59,7 @@ local function held()
 end
 
 if kind ~= 'exclusive' and kind ~= 'write' then
-  return {0, redis.call('pttl', lock)}
+  return {0, busy_for(lock, kind)}
 end
 
 if hold == token then

@@ -41,3 +41,26 @@ local function free_of_dead_shares(lock, kind)
   end
   return false
 end
+
+-- How long `lock`, held by someone else, stays as it is at most unless a release announces a
+-- change: the time a waiter may sleep before it must look again. A read or permits lock
+-- changes when the first of its live shares' leases ends (a permit frees; each share ends
+-- alone, whatever the lock key's own lease, which outlasts them all); any other lock when its
+-- own lease ends. The same answer as PTTL: -1 without expiry, -2 when the key is gone.
+local function busy_for(lock, kind)
+  if kind == 'read' or kind == 'permits' then
+    local soonest = -1
+    for _, field in ipairs(redis.call('hkeys', lock)) do
+      if field ~= 'mode' and field ~= 'permits' and string.sub(field, 1, 2) ~= 'h:' then
+        local left = redis.call('pttl', lock .. ':s:' .. field)
+        if left >= 0 and (soonest < 0 or left < soonest) then
+          soonest = left
+        end
+      end
+    end
+    if soonest >= 0 then
+      return soonest
+    end
+  end
+  return redis.call('pttl', lock)
+end

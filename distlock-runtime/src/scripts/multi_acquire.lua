@@ -38,7 +38,7 @@ for i = 1, n do
         redis.call('del', KEYS[2 * j - 1])
       end
     end
-    return {0, i, redis.call('pttl', lock)}
+    return {0, i, busy_for(lock, kind)}
   end
 end
 

@@ -27,7 +27,7 @@ local limit = tonumber(ARGV[4]) or 0
 local current = kind_of(lock)
 if current ~= nil and current ~= mode then
   if not free_of_dead_shares(lock, current) then
-    return {0, redis.call('pttl', lock)}
+    return {0, busy_for(lock, current)}
   end
   current = nil
 end
@@ -67,7 +67,7 @@ if current == 'permits' then
   elseif stored ~= limit then
     return {-1, stored}
   elseif held >= limit then
-    return {0, redis.call('pttl', lock)}
+    return {0, busy_for(lock, current)}
   end
 end
 

@@ -18,12 +18,12 @@
 local lock, fence_key, intent = KEYS[1], KEYS[2], KEYS[3]
 local token, lease, hold = ARGV[1], tonumber(ARGV[2]), ARGV[4]
 
-local function refused()
+local function refused(kind)
   local owner = redis.call('get', intent)
   if ARGV[6] ~= '0' and (not owner or owner == token) then
     redis.call('set', intent, token, 'PX', ARGV[6])
   end
-  return {0, redis.call('pttl', lock)}
+  return {0, busy_for(lock, kind)}
 end
 
 local kind = kind_of(lock)
@@ -31,9 +31,9 @@ if kind == 'read' or kind == 'permits' then
   if not free_of_dead_shares(lock, kind) then
     -- Readers inside: keep new ones out until they leave. Permits take no intent.
     if kind == 'read' then
-      return refused()
+      return refused(kind)
     end
-    return {0, redis.call('pttl', lock)}
+    return {0, busy_for(lock, kind)}
   end
   kind = nil
 end
@@ -63,7 +63,7 @@ end
 -- Only this owner's own write or exclusive lock is re-entered; any other kind, the
 -- min_hold marker or a key of another form waits.
 if kind ~= 'exclusive' and kind ~= 'write' then
-  return refused()
+  return refused(kind)
 end
 
 if hold == token then
@@ -81,4 +81,4 @@ elseif ARGV[5] == '1' and redis.call('hexists', lock, token) == 1 then
   return held()
 end
 
-return refused()
+return refused(kind)
