@@ -192,9 +192,15 @@ impl Run {
     }
 
     /// The run's last release is about to be sent: from now on a check that finds the hold
-    /// gone may be seeing it. The [`Ending`] settles the run with that release's answer.
-    pub(crate) fn ending(self: &Arc<Self>) -> Ending {
+    /// gone may be seeing it. That release's answer must [`settle`](Self::settle) the run.
+    pub(crate) fn ending(&self) {
         self.lock().ending = true;
+    }
+
+    /// The same, with a guard that settles the run with an error if it is dropped before
+    /// that release answers (its runtime went away).
+    pub(crate) fn ending_guarded(self: &Arc<Self>) -> Ending {
+        self.ending();
         Ending {
             run: Some(self.clone()),
         }
@@ -254,31 +260,21 @@ impl Run {
     }
 }
 
-/// The run's last release on its way (see [`Run::ending`]); [`settle`](Self::settle) it with
-/// that release's answer. Dropped unsettled (the release was cancelled before its answer,
-/// or its runtime went away), it tells the releases still waiting that the server's answer
-/// is unknown.
+/// The run's last release on its way from the manager's runtime (see
+/// [`Run::ending_guarded`]); [`settle`](Self::settle) it with that release's answer. Dropped
+/// unsettled (its runtime went away), it tells the releases still waiting that the server's
+/// answer is unknown.
 #[derive(Debug)]
 pub(crate) struct Ending {
     run: Option<Arc<Run>>,
 }
 
 impl Ending {
-    /// The run's last release answered: `true` when its token still held the lock then,
-    /// which it did at every pass before; `false` when it was gone; an error when the server
-    /// could not tell.
+    /// The run's last release answered (see [`Run::settle`]).
     pub(crate) fn settle(mut self, answer: redis::RedisResult<bool>) {
         if let Some(run) = self.run.take() {
             run.settle(answer);
         }
-    }
-}
-
-impl Ending {
-    /// The release's answer was lost: the release sent again right after (which sets the run
-    /// ending again) settles the run instead.
-    pub(crate) fn unsettled(mut self) {
-        self.run = None;
     }
 }
 
@@ -293,7 +289,10 @@ impl Drop for Ending {
 }
 
 impl Run {
-    fn settle(&self, answer: redis::RedisResult<bool>) {
+    /// The run's last release answered: `true` when its token still held the lock then,
+    /// which it did at every pass before; `false` when it was gone; an error when the server
+    /// could not tell. Only the first answer counts.
+    pub(crate) fn settle(&self, answer: redis::RedisResult<bool>) {
         let mut checks = self.lock();
         if checks.ended {
             return;

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::LockError;
 use crate::backend::{FairRelease, HoldIds};
-use crate::cohort::{Checked, Ending, Run};
+use crate::cohort::{Checked, Run};
 use crate::context::Held;
 use crate::holds::Live;
 use crate::lease::{LeaseState, check_ttl, keep_from};
@@ -357,7 +357,7 @@ impl LockGuard {
         mut retried: bool,
     ) -> Result<(), LockError> {
         let inner = &self.parts.manager.inner;
-        let ending = self.end_run();
+        self.end_run();
         loop {
             let ids = self.ids();
             let keep = keep_from(keep_until);
@@ -374,9 +374,7 @@ impl LockGuard {
                 }
                 Err(error) => Err(error.clone()),
             };
-            if let Some(ending) = ending {
-                ending.settle(settled);
-            }
+            self.run_ended(settled);
             return match outcome {
                 Ok(true) => {
                     inner.waiters.released(&self.parts.held.ids.wake);
@@ -447,11 +445,9 @@ impl LockGuard {
             let ids = ids.clone();
             move |backend: crate::backend::Backend| async move { backend.release_plain(&ids).await }
         };
-        let ending = self.end_run();
+        self.end_run();
         let answer = inner.exec(release).await?;
-        if let Some(ending) = ending {
-            ending.settle(answer.as_ref().map(Option::is_some).map_err(Clone::clone));
-        }
+        self.run_ended(answer.as_ref().map(Option::is_some).map_err(Clone::clone));
         match answer {
             Ok(Some(heard)) => {
                 let cohort = self.parts.held.cohort;
@@ -531,14 +527,12 @@ impl LockGuard {
                 backend.hand_off(&ids, &next.token, lease).await
             }
         };
-        let ending = self.end_run();
+        self.end_run();
         let answer = inner.exec(swap).await?;
-        if let Some(ending) = ending {
-            match &answer {
-                // The release sent next settles the run.
-                Err(error) if error.is_io_error() => ending.unsettled(),
-                answer => ending.settle(answer.clone()),
-            }
+        match &answer {
+            // The release sent next settles the run.
+            Err(error) if error.is_io_error() => {}
+            answer => self.run_ended(answer.clone()),
         }
         match answer {
             Ok(true) => {
@@ -585,9 +579,21 @@ impl LockGuard {
     }
 
     /// The run this hold came by, if it came by a local pass: its last release is about to
-    /// be sent (see [`Run::ending`]).
-    fn end_run(&self) -> Option<Ending> {
-        self.parts.held.run.get().map(Run::ending)
+    /// be sent (see [`Run::ending`]). Settled by [`run_ended`](Self::run_ended), or, when
+    /// this release is dropped before its answer, by the release sent again from the
+    /// manager's runtime (see [`Unanswered`]). Nothing of it is kept across the release's
+    /// awaits: every caller's release future would carry it.
+    fn end_run(&self) {
+        if let Some(run) = self.parts.held.run.get() {
+            run.ending();
+        }
+    }
+
+    /// The run's last release answered (see [`end_run`](Self::end_run)).
+    fn run_ended(&self, answer: redis::RedisResult<bool>) {
+        if let Some(run) = self.parts.held.run.get() {
+            run.settle(answer);
+        }
     }
 
     /// A release that passed the lock on within `run`: `Ok` once `check` (or a later check)
@@ -648,7 +654,12 @@ impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
         if let Some(guard) = self.0.take() {
             let releaser = guard.parts.manager.inner.releaser();
-            releaser.in_background(guard.ids(), guard.parts.held.keep_until());
+            let (ids, keep_until) = (guard.ids(), guard.parts.held.keep_until());
+            match guard.parts.held.run.get() {
+                // Its answer settles the run's checks.
+                Some(run) => releaser.end_run_in_background(ids, keep_until, run),
+                None => releaser.in_background(ids, keep_until),
+            }
         }
     }
 }

@@ -1107,7 +1107,7 @@ impl Releaser {
 
     /// Sends the release of the last hold of a cohort's run from the manager's own runtime,
     /// as [`in_background`](Self::in_background) does; its answer settles the run's checks
-    /// (see [`Run::ending`]).
+    /// (see [`Run::ending_guarded`]).
     pub(crate) fn end_run_in_background(
         &self,
         ids: Arc<HoldIds>,
@@ -1115,7 +1115,7 @@ impl Releaser {
         run: &Arc<Run>,
     ) {
         // Set before the release is sent.
-        let ending = run.ending();
+        let ending = run.ending_guarded();
         let releaser = self.clone();
         self.driver.spawn(async move {
             let answer = releaser.release_logged(&ids, keep_until).await;
