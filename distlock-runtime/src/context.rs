@@ -60,6 +60,8 @@ pub(crate) struct Held {
     pub(crate) cohort: bool,
     /// How many local passes this hold is from the server's grant (0: granted by Redis).
     pub(crate) passes: u32,
+    /// The cohort's run this hold came by, when it came by a local pass (see `cohort`).
+    pub(crate) run: std::sync::OnceLock<Arc<crate::cohort::Run>>,
 }
 
 impl Held {

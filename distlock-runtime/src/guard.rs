@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::LockError;
 use crate::backend::{FairRelease, HoldIds};
+use crate::cohort::{Checked, Run};
 use crate::context::Held;
 use crate::holds::Live;
 use crate::lease::{LeaseState, check_ttl, keep_from};
@@ -59,6 +60,9 @@ pub struct LockGuard {
 enum Locally {
     /// The lock went to a waiter of this manager, or to other processes' turns.
     Done(Result<(), LockError>),
+    /// The lock was passed on within a cohort's run: the release answers once this check of
+    /// the run (or a later one) tells whether the server still had the hold after the pass.
+    Passed(Arc<Run>, u64),
     /// A hand-off's answer was lost: the release on the server settles it.
     Unsettled,
     /// Nothing here: the release goes to the server.
@@ -307,6 +311,11 @@ impl LockGuard {
                 unanswered.answered();
                 return outcome;
             }
+            Locally::Passed(run, check) => {
+                // The hold is the next holder's now: nothing of it is this guard's to send.
+                unanswered.answered();
+                return Box::pin(self.checked(&run, check)).await;
+            }
             Locally::Unsettled => true,
             Locally::NotHere => false,
         };
@@ -324,8 +333,12 @@ impl LockGuard {
         if !held.ids.plain || keep_until.is_some() || !inner.backend.capabilities().hand_off {
             return Ok(Locally::NotHere);
         }
-        let passable = held.cohort.then(|| Passable {
+        // A run whose check found the hold gone (or could not tell) passes it no more.
+        let run = held.run.get();
+        let passable = (held.cohort && run.is_none_or(|run| run.passable())).then(|| Passable {
             remaining: self.parts.lease.remaining(),
+            passes: held.passes,
+            run_began: run.map(|run| run.began()),
         });
         Ok(
             match inner
@@ -334,7 +347,7 @@ impl LockGuard {
             {
                 Next::Release => Locally::NotHere,
                 Next::Pass(offer) => match self.pass(offer) {
-                    Ok(()) => Locally::Done(Ok(())),
+                    Ok((run, check)) => Locally::Passed(run, check),
                     // The waiter left: this release goes to everyone.
                     Err(()) => Locally::NotHere,
                 },
@@ -360,26 +373,40 @@ impl LockGuard {
         mut retried: bool,
     ) -> Result<(), LockError> {
         let inner = &self.parts.manager.inner;
+        self.end_run();
         loop {
             let ids = self.ids();
             let keep = keep_from(keep_until);
             let outcome = inner
                 .exec(move |backend| async move { backend.release(&ids, keep).await })
                 .await?;
+            let settled = match &outcome {
+                Ok(true) => Ok(true),
+                Ok(false) if !release::found_lost(retried, &self.parts.lease) => Ok(true),
+                Ok(false) => Ok(false),
+                Err(error) if release::send_again(error, retried) => {
+                    retried = true;
+                    continue;
+                }
+                Err(error) => Err(error.clone()),
+            };
+            self.run_ended(settled);
             return match outcome {
                 Ok(true) => {
                     inner.waiters.released(&self.parts.held.ids.wake);
                     tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "released");
                     Ok(())
                 }
-                Ok(false) if !release::found_lost(retried, &self.parts.lease) => Ok(()),
+                // The first attempt may have released it before its reply was lost.
+                Ok(false) if !release::found_lost(retried, &self.parts.lease) => {
+                    inner.waiters.released(&self.parts.held.ids.wake);
+                    Ok(())
+                }
                 Ok(false) => {
+                    // Nobody of this manager holds it: the local head asks the server.
+                    inner.waiters.released(&self.parts.held.ids.wake);
                     self.parts.lease.mark_lost();
                     Err(self.lost_error())
-                }
-                Err(error) if release::send_again(&error, retried) => {
-                    retried = true;
-                    continue;
                 }
                 Err(error) => Err(LockError::redis(self.key(), error)),
             };
@@ -433,7 +460,10 @@ impl LockGuard {
             let ids = ids.clone();
             move |backend: crate::backend::Backend| async move { backend.release_plain(&ids).await }
         };
-        match inner.exec(release).await? {
+        self.end_run();
+        let answer = inner.exec(release).await?;
+        self.run_ended(answer.as_ref().map(Option::is_some).map_err(Clone::clone));
+        match answer {
             Ok(Some(heard)) => {
                 let cohort = self.parts.held.cohort;
                 inner.waiters.yielded(&ids.wake, heard, lease, cohort);
@@ -454,22 +484,33 @@ impl LockGuard {
     }
 
     /// Passes the lock to a local waiter's `offer` with no server command: the waiter takes
-    /// this server hold over as it is (token and lease). `Err` when the waiter has left: the
-    /// lock is still this guard's to release.
-    fn pass(&self, offer: Offer) -> Result<(), ()> {
+    /// this server hold over as it is (token and lease), in the same run (this hold's, or one
+    /// that begins here). Answers the run and the number of the check, sent from now on, that
+    /// tells whether the server still had the hold; `Err` when the waiter has left: the lock
+    /// is still this guard's to release.
+    fn pass(&self, offer: Offer) -> Result<(Arc<Run>, u64), ()> {
         let inner = &self.parts.manager.inner;
         let ids = self.ids();
+        let run = match self.parts.held.run.get() {
+            Some(run) => run.clone(),
+            None => Run::new(
+                ids.clone(),
+                self.parts.lease.clone(),
+                inner.backend.clone(),
+                inner.driver.clone(),
+            ),
+        };
         let local = LocalPass {
-            ids: ids.clone(),
-            lease: self.parts.lease.clone(),
+            run: run.clone(),
             passes: self.parts.held.passes.saturating_add(1),
         };
         let handed = Handed::new(Instant::now(), inner.releaser(), ids, Some(local));
         match offer.handed.send(handed) {
             Ok(()) => {
                 inner.waiters.passed();
+                let check = run.passed();
                 tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "passed locally");
-                Ok(())
+                Ok((run, check))
             }
             Err(mut handed) => {
                 handed.disarm();
@@ -501,7 +542,14 @@ impl LockGuard {
                 backend.hand_off(&ids, &next.token, lease).await
             }
         };
-        match inner.exec(swap).await? {
+        self.end_run();
+        let answer = inner.exec(swap).await?;
+        match &answer {
+            // The release sent next settles the run.
+            Err(error) if error.is_io_error() => {}
+            answer => self.run_ended(answer.clone()),
+        }
+        match answer {
             Ok(true) => {
                 inner.waiters.handed_off();
                 tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "handed over");
@@ -545,6 +593,40 @@ impl LockGuard {
         }
     }
 
+    /// The run this hold came by, if it came by a local pass: its last release is about to
+    /// be sent (see [`Run::ending`]). Settled by [`run_ended`](Self::run_ended), or, when
+    /// this release is dropped before its answer, by the release sent again from the
+    /// manager's runtime (see [`Unanswered`]). Nothing of it is kept across the release's
+    /// awaits: every caller's release future would carry it.
+    fn end_run(&self) {
+        if let Some(run) = self.parts.held.run.get() {
+            run.ending();
+        }
+    }
+
+    /// The run's last release answered (see [`end_run`](Self::end_run)).
+    fn run_ended(&self, answer: redis::RedisResult<bool>) {
+        if let Some(run) = self.parts.held.run.get() {
+            run.settle(answer);
+        }
+    }
+
+    /// A release that passed the lock on within `run`: `Ok` once `check` (or a later check)
+    /// found the hold still the run's; [`LockError::Lost`] when it was gone.
+    async fn checked(&self, run: &Arc<Run>, check: u64) -> Result<(), LockError> {
+        match run.confirm(check, &self.parts.manager.inner.holds).await {
+            Checked::Held => Ok(()),
+            Checked::Stolen => {
+                self.parts.lease.mark_lost();
+                Err(LockError::Lost {
+                    key: self.parts.name.clone(),
+                })
+            }
+            Checked::Failed(error) => Err(LockError::redis(self.key(), error)),
+            Checked::ShutDown => Err(LockError::ShutDown),
+        }
+    }
+
     fn ids(&self) -> Arc<HoldIds> {
         self.parts.held.ids.clone()
     }
@@ -573,7 +655,10 @@ impl Drop for LockGuard {
         if self.unlist() && self.parts.held.leave() {
             let keep_until = self.parts.held.keep_until();
             let releaser = self.parts.manager.inner.releaser();
-            releaser.in_background(self.ids(), keep_until);
+            match self.parts.held.run.get() {
+                Some(run) => releaser.end_run_in_background(self.ids(), keep_until, run),
+                None => releaser.in_background(self.ids(), keep_until),
+            }
         }
     }
 }
@@ -581,7 +666,12 @@ impl Drop for LockGuard {
 impl Resend for LockGuard {
     fn resend(&self) {
         let releaser = self.parts.manager.inner.releaser();
-        releaser.in_background(self.ids(), self.parts.held.keep_until());
+        let (ids, keep_until) = (self.ids(), self.parts.held.keep_until());
+        match self.parts.held.run.get() {
+            // Its answer settles the run's checks.
+            Some(run) => releaser.end_run_in_background(ids, keep_until, run),
+            None => releaser.in_background(ids, keep_until),
+        }
     }
 }
 

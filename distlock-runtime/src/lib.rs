@@ -60,6 +60,7 @@
 
 mod acl;
 mod backend;
+mod cohort;
 mod context;
 mod decide;
 mod driver;

@@ -309,22 +309,33 @@ fn grant(
     from: From,
 ) -> LockGuard {
     let sent = acquired.sent;
-    let (ids, lease, set, start, fence) = match from {
+    let (ids, lease, set, start, fence, run) = match from {
         From::Server { ids, fence } => {
             let lease = Arc::new(LeaseState::new(sent, plan.ttl));
             let keep = keep_until(sent, plan.options.min_hold);
             let shown = plan.options.fencing.then_some(fence);
-            (ids, lease, sent, (fence, keep, 0), shown)
+            (ids, lease, sent, (fence, keep, 0), shown, None)
         }
         // Renewals follow the shared lease from when it was last set (the first one may be
         // due at once), not from the pass. Fenced locks never pass.
-        From::Passed(LocalPass { ids, lease, passes }) => {
+        From::Passed(LocalPass { run, passes }) => {
+            let (ids, lease) = (run.ids().clone(), run.lease().clone());
             let set = lease.valid_until().checked_sub(lease.ttl()).unwrap_or(sent);
-            (ids, lease, set.min(sent), (0, None, passes), None)
+            (
+                ids,
+                lease,
+                set.min(sent),
+                (0, None, passes),
+                None,
+                Some(run),
+            )
         }
     };
     let renewal = register_renewal(&manager.inner, &plan, Holds::One(ids.clone()), &lease, set);
     let held = Held::first(&manager.inner, &plan, kind, ids, lease.clone(), start);
+    if let Some(run) = run {
+        let _ = held.run.set(run);
+    }
     build(manager, plan, fence, lease, acquired, renewal, held)
 }
 
@@ -396,6 +407,7 @@ impl Held {
             keep_until: Mutex::new(keep_until),
             cohort: !plan.options.no_cohort,
             passes,
+            run: std::sync::OnceLock::new(),
         });
         if !plan.options.unrecorded {
             context::record(&held);

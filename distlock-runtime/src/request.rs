@@ -436,6 +436,12 @@ impl LockRequest<'_> {
     /// holder draws a new token from the server), `min_hold`, fair locks, read-write locks,
     /// semaphores and sets never pass locally, and neither does any lock on RedLock or with
     /// `sync_replicas`.
+    ///
+    /// A run checks its hold with the server while it goes on: each pass asks for a check
+    /// (a `GET` of the key, one in flight at a time) that the pass itself does not wait for;
+    /// the release that made the pass does, and answers [`LockError::Lost`]
+    /// when the hold was taken away (then no pass is made any more, and `lost()` fires for
+    /// the holder that has it).
     pub fn cohort(mut self, cohort: bool) -> Self {
         self.options.no_cohort = !cohort;
         self

@@ -40,8 +40,9 @@ use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 
 use crate::backend::{Backend, FairRelease, HoldIds, SetRequest};
+use crate::cohort::Run;
 use crate::driver::Driver;
-use crate::lease::{LeaseState, keep_from};
+use crate::lease::keep_from;
 
 /// The waiting side of one manager (a clone is another handle on the same waiters).
 #[derive(Debug, Clone)]
@@ -111,6 +112,8 @@ pub(crate) struct KeyState {
     subscribed_in: AtomicU64,
     /// The last word from Redis to a local waiter: the failure, or none after a busy answer.
     last_failure: Mutex<Option<redis::RedisError>>,
+    /// Where the unsubscribe goes once the key is idle.
+    driver: Arc<Driver>,
 }
 
 #[derive(Debug, Default)]
@@ -123,6 +126,10 @@ struct Queue {
     /// A waiter of this manager took the plain lock and has not released it yet, as far as
     /// this manager knows: until when its lease runs without renewal.
     held_here: Option<Instant>,
+    /// A cohort's holder released the lock with nobody waiting: its run's other holders are
+    /// likely back soon (their releases wait for the run's check), and queue here, behind
+    /// one of them asking the server, instead of all asking at once. Until when.
+    linger_until: Option<Instant>,
     /// After a run of hand-offs ended in a release to everyone: the local head lets the
     /// other processes have a turn each before it competes again, and waits until when at
     /// most (see [`SittingOut`]).
@@ -143,6 +150,9 @@ struct SittingOut {
 const CHAIN: u32 = 4;
 /// The longest run of local hand-offs; a tenth of the holder's lease when that is shorter.
 const SLICE: Duration = Duration::from_millis(50);
+/// How long a key stays followed after a cohort's holder released it with nobody waiting
+/// (see `Queue::linger_until`).
+const LINGER: Duration = Duration::from_millis(2);
 
 /// The bounds of a cohort's run: local passes in a row, at most, and for how long (see
 /// [`LockManagerBuilder::cohort`](crate::LockManagerBuilder::cohort)).
@@ -167,6 +177,10 @@ impl Default for CohortBounds {
 pub(crate) struct Passable {
     /// What is left of the server hold's lease, by the local clock.
     pub(crate) remaining: Duration,
+    /// How many passes the hold is from the server's grant.
+    pub(crate) passes: u32,
+    /// When its run's first pass was made (none yet: this one would be).
+    pub(crate) run_began: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -212,12 +226,12 @@ pub(crate) struct Handed {
     local: Option<LocalPass>,
 }
 
-/// A server hold passed on by a local release, with no server command: its owner token (in
-/// the hold ids), its lease, and how many passes it is from the server's grant.
+/// A server hold passed on by a local release, with no server command: the run it belongs
+/// to (which names the hold and its lease, and whose checks tell whether the server still
+/// has it), and how many passes it is from the server's grant.
 #[derive(Debug)]
 pub(crate) struct LocalPass {
-    pub(crate) ids: Arc<HoldIds>,
-    pub(crate) lease: Arc<LeaseState>,
+    pub(crate) run: Arc<Run>,
     pub(crate) passes: u32,
 }
 
@@ -277,7 +291,8 @@ impl Waiters {
         }
     }
 
-    /// Whether any local request is waiting for the lock behind `channel`.
+    /// Whether any local request is waiting for the lock behind `channel`, or a task of this
+    /// manager holds it (a request then queues for its release instead of asking the server).
     pub(crate) fn has_waiters(&self, channel: &str) -> bool {
         self.shared.lock_keys().contains_key(channel)
     }
@@ -338,9 +353,14 @@ impl Waiters {
         keys.iter().map(|key| key.lock_queue().entries.len()).sum()
     }
 
-    /// How many keys have local waiters (and a subscription) right now.
+    /// How many keys have local waiters (and a subscription) right now; not those kept only
+    /// while a task of this manager holds the lock, or for a moment after (see
+    /// `Queue::linger_until`).
     pub(crate) fn waiting_keys(&self) -> usize {
-        self.shared.lock_keys().len()
+        let keys: Vec<_> = self.shared.lock_keys().values().cloned().collect();
+        keys.iter()
+            .filter(|key| !key.lock_queue().entries.is_empty())
+            .count()
     }
 
     /// Closes the pub/sub connection for good (the manager shut down); waiters fall back to
@@ -396,9 +416,12 @@ impl Waiters {
         fair: Option<(String, Arc<Notify>)>,
     ) -> Ticket {
         let signal = fair.as_ref().map(|(_, signal)| signal.clone());
-        let key = self
-            .shared
-            .lock_keys()
+        let turn = Arc::new(Notify::new());
+        // The entry goes in while the key is in the map: a last waiter leaving meanwhile
+        // (which takes the key out of the map only if its queue is empty, under the same
+        // lock) cannot leave this one in a queue no release looks at.
+        let mut keys = self.shared.lock_keys();
+        let key = keys
             .entry(channel.to_owned())
             .or_insert_with(|| {
                 Arc::new(KeyState {
@@ -408,10 +431,10 @@ impl Waiters {
                     wakes: AtomicU64::new(0),
                     subscribed_in: AtomicU64::new(0),
                     last_failure: Mutex::default(),
+                    driver: driver.clone(),
                 })
             })
             .clone();
-        let turn = Arc::new(Notify::new());
         let id = {
             let mut queue = key.lock_queue();
             let id = queue.next_id;
@@ -424,6 +447,7 @@ impl Waiters {
             });
             id
         };
+        drop(keys);
         Ticket {
             key,
             id,
@@ -456,6 +480,23 @@ impl Waiters {
         let Some(offer) = offer else {
             // A release to everyone ends any run of hand-offs.
             queue.chain = None;
+            if passable.is_some() && queue.entries.is_empty() {
+                let until = Instant::now() + LINGER;
+                queue.linger_until = Some(until);
+                drop(queue);
+                let shared = self.shared.clone();
+                let lingering = key.clone();
+                key.driver.spawn(async move {
+                    tokio::time::sleep_until(until.into()).await;
+                    shared.forget_if_idle(&lingering);
+                });
+                return Next::Release;
+            }
+            let idle = queue.is_idle();
+            drop(queue);
+            if idle {
+                self.shared.forget_if_idle(&key);
+            }
             return Next::Release;
         };
         let now = Instant::now();
@@ -474,8 +515,18 @@ impl Waiters {
             true => (bounds.passes, bounds.time.min(lease / 10)),
             false => (CHAIN, SLICE.min(lease / 10)),
         };
+        // The run's own count and age bound it too: the queue's chain starts afresh when its
+        // last waiter leaves (the holders of a run may all be inside or releasing), while
+        // the run it counted goes on.
+        let run_over = pass
+            && passable.is_some_and(|passable| {
+                passable.passes >= most
+                    || passable
+                        .run_began
+                        .is_some_and(|began| now.duration_since(began) >= longest)
+            });
         let (count, since) = queue.chain.get_or_insert((0, now));
-        if *count >= most || now.duration_since(*since) >= longest {
+        if run_over || *count >= most || now.duration_since(*since) >= longest {
             queue.chain = None;
             // The offer goes back to its waiter, which hears the release like everyone else.
             if let Some(head) = queue.entries.iter_mut().find(|entry| entry.fair.is_none()) {
@@ -549,6 +600,7 @@ impl Waiters {
         if let Some(key) = key {
             key.lock_queue().held_here = None;
             key.woken();
+            self.shared.forget_if_idle(&key);
         }
     }
 }
@@ -556,6 +608,39 @@ impl Waiters {
 impl Shared {
     fn lock_keys(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<KeyState>>> {
         self.keys.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes `key` out of the map once nobody here waits for its lock and no task of this
+    /// manager holds it, and stops following its wake channel. Kept while a task holds it:
+    /// the next request of this manager then queues for its release (and a pass) instead of
+    /// asking the server, as a waiter behind it would.
+    fn forget_if_idle(self: &Arc<Self>, key: &Arc<KeyState>) {
+        {
+            let mut keys = self.lock_keys();
+            // Another waiter may have joined meanwhile.
+            if !key.lock_queue().is_idle()
+                || !keys.get(&key.channel).is_some_and(|k| Arc::ptr_eq(k, key))
+            {
+                return;
+            }
+            keys.remove(&key.channel);
+        }
+        // A subscribe still in flight sees the key gone and unsubscribes by itself.
+        let subscribed_in = key.subscribed_in.load(Ordering::Acquire);
+        if subscribed_in == 0 {
+            return;
+        }
+        let (shared, channel) = (self.clone(), key.channel.clone());
+        key.driver.spawn(async move {
+            // Every holder of the sink lets go within its bounds.
+            let mut sink = shared.sink.lock().await;
+            // Re-joined while this waited for the sink: the new waiters keep the subscription.
+            // On another connection than the one subscribed: nothing to undo.
+            if shared.lock_keys().contains_key(&channel) || sink.generation != subscribed_in {
+                return;
+            }
+            shared.unsubscribe(&mut sink, &channel).await;
+        });
     }
 
     /// A message arrived on `channel`: a release, by this manager if it carries its tag; or,
@@ -762,6 +847,14 @@ impl Shared {
 }
 
 impl Queue {
+    /// Nobody waits, and no task of this manager holds the lock (as far as it knows).
+    fn is_idle(&self) -> bool {
+        let now = Instant::now();
+        self.entries.is_empty()
+            && self.held_here.is_none_or(|until| now >= until)
+            && self.linger_until.is_none_or(|until| now >= until)
+    }
+
     /// The first waiter of the local queue; fair waiters keep their place in Redis instead.
     fn head(&self) -> Option<u64> {
         self.entries
@@ -943,56 +1036,21 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        let empty;
+        let idle;
         {
             let mut queue = self.key.lock_queue();
             let was_head = queue.head() == Some(self.id);
             queue.entries.retain(|entry| entry.id != self.id);
-            empty = queue.entries.is_empty();
+            idle = queue.is_idle();
             if was_head && let Some(next) = queue.entries.iter().find(|entry| entry.fair.is_none())
             {
                 // Kept as a permit if the next is not waiting for it yet.
                 next.turn.notify_one();
             }
         }
-        if !empty {
-            return;
+        if let (true, Some(shared)) = (idle, self.shared.upgrade()) {
+            shared.forget_if_idle(&self.key);
         }
-        let Some(shared) = self.shared.upgrade() else {
-            return;
-        };
-        {
-            let mut keys = shared.lock_keys();
-            // Another waiter may have joined meanwhile.
-            if self.key.lock_queue().entries.is_empty()
-                && keys
-                    .get(&self.key.channel)
-                    .is_some_and(|k| Arc::ptr_eq(k, &self.key))
-            {
-                keys.remove(&self.key.channel);
-            } else {
-                return;
-            }
-        }
-        // A subscribe still in flight sees the key gone and unsubscribes by itself.
-        let subscribed_in = self.key.subscribed_in.load(Ordering::Acquire);
-        if subscribed_in == 0 {
-            return;
-        }
-        let Some((_, driver)) = self.driver_backend.take() else {
-            return;
-        };
-        let channel = self.key.channel.clone();
-        driver.spawn(async move {
-            // Every holder of the sink lets go within its bounds.
-            let mut sink = shared.sink.lock().await;
-            // Re-joined while this waited for the sink: the new waiters keep the subscription.
-            // On another connection than the one subscribed: nothing to undo.
-            if shared.lock_keys().contains_key(&channel) || sink.generation != subscribed_in {
-                return;
-            }
-            shared.unsubscribe(&mut sink, &channel).await;
-        });
     }
 }
 
@@ -1045,7 +1103,7 @@ impl Handed {
     /// lease of `ttl` from when the hand-off was sent.
     pub(crate) fn lease_until(&self, ttl: Duration) -> Instant {
         match &self.local {
-            Some(local) => local.lease.valid_until(),
+            Some(local) => local.run.lease().valid_until(),
             None => crate::lease::saturating_add(self.sent, ttl),
         }
     }
@@ -1073,7 +1131,11 @@ impl fmt::Debug for Handed {
 impl Drop for Handed {
     fn drop(&mut self) {
         if let Some((releaser, ids)) = self.unclaimed.take() {
-            releaser.in_background(ids, None);
+            match self.local.take() {
+                // Passed locally: this release ends the run.
+                Some(local) => releaser.end_run_in_background(ids, None, &local.run),
+                None => releaser.in_background(ids, None),
+            }
         }
     }
 }
@@ -1095,6 +1157,24 @@ impl Releaser {
     pub(crate) fn in_background(&self, ids: Arc<HoldIds>, keep_until: Option<Instant>) {
         let task = self.clone().logged(ids, keep_until);
         self.driver.spawn(task);
+    }
+
+    /// Sends the release of the last hold of a cohort's run from the manager's own runtime,
+    /// as [`in_background`](Self::in_background) does; its answer settles the run's checks
+    /// (see [`Run::ending_guarded`]).
+    pub(crate) fn end_run_in_background(
+        &self,
+        ids: Arc<HoldIds>,
+        keep_until: Option<Instant>,
+        run: &Arc<Run>,
+    ) {
+        // Set before the release is sent.
+        let ending = run.ending_guarded();
+        let releaser = self.clone();
+        self.driver.spawn(async move {
+            let answer = releaser.release_logged(&ids, keep_until).await;
+            ending.settle(answer);
+        });
     }
 
     /// Sends the release of a whole set from the manager's own runtime, as
@@ -1129,27 +1209,44 @@ impl Releaser {
     /// Releases one hold (keeping the key until `keep_until`), wakes or hands the lock to the
     /// local waiters, and logs the outcome.
     pub(crate) async fn logged(self, ids: Arc<HoldIds>, keep_until: Option<Instant>) {
-        if ids.fair.is_some() {
+        let _ = self.release_logged(&ids, keep_until).await;
+    }
+
+    /// What [`logged`](Self::logged) does, answering whether the hold was still this owner's.
+    async fn release_logged(
+        &self,
+        ids: &Arc<HoldIds>,
+        keep_until: Option<Instant>,
+    ) -> redis::RedisResult<bool> {
+        let answer = if ids.fair.is_some() {
             let sent = Instant::now();
-            match self.backend.release_fair(&ids).await {
-                Ok(FairRelease::Granted(next)) => self.hand_fair(&ids, &next, sent),
-                Ok(FairRelease::Freed) => self.waiters.released(&ids.wake),
-                Ok(FairRelease::NotHeld) => {
-                    tracing::debug!(lock = %ids.lock, "background release found the lock already gone");
-                }
-                Err(error) => tracing::warn!(
-                    lock = %ids.lock, %error,
-                    "background release failed; the lease will expire"
-                ),
-            }
-            return;
-        }
-        match self.backend.release(&ids, keep_from(keep_until)).await {
-            Ok(true) => {
+            self.backend
+                .release_fair(ids)
+                .await
+                .map(|release| match release {
+                    FairRelease::Granted(next) => {
+                        self.hand_fair(ids, &next, sent);
+                        true
+                    }
+                    FairRelease::Freed => {
+                        self.waiters.released(&ids.wake);
+                        true
+                    }
+                    FairRelease::NotHeld => false,
+                })
+        } else {
+            let released = self.backend.release(ids, keep_from(keep_until)).await;
+            if let Ok(true) = released {
                 self.waiters.released(&ids.wake);
                 tracing::debug!(lock = %ids.lock, "released in the background");
             }
+            released
+        };
+        match &answer {
+            Ok(true) => {}
             Ok(false) => {
+                // Nobody of this manager holds it any more.
+                self.waiters.released(&ids.wake);
                 tracing::debug!(lock = %ids.lock, "background release found the lock already gone");
             }
             Err(error) => tracing::warn!(
@@ -1157,6 +1254,7 @@ impl Releaser {
                 "background release failed; the lease will expire"
             ),
         }
+        answer
     }
 
     /// A release of fair lock `ids` (sent at `sent`) granted it to the owner of token `next`:

@@ -1,11 +1,11 @@
 //! Cohorts: a plain lock passes among one manager's own tasks with no server command, within
 //! bounds, then goes back to Redis so that other processes get their turn.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::support::{keys, manager, raw, shared_server, unique_prefix};
+use crate::support::{connect, keys, manager, quick, raw, shared_server, single, unique_prefix};
 use distlock::testing::RedisServer;
 use distlock::{LockError, LockGuard, LockManager, LockRequest};
 use redis::AsyncCommands;
@@ -14,10 +14,11 @@ use redis::AsyncCommands;
 const LONG: Duration = Duration::from_secs(600);
 
 /// Commands a lock's take, release or hand-off would run that the server ran since the last
-/// `CONFIG RESETSTAT`, and its `SET`s apart (the manager's registration refresh may run one).
-fn lock_commands(server: &RedisServer) -> (u64, u64) {
+/// `CONFIG RESETSTAT`, with its `SET`s apart (the manager's registration refresh may run one)
+/// and its `GET`s apart (a cohort's run checks its hold with one).
+fn lock_commands(server: &RedisServer) -> (u64, u64, u64) {
     let info = server.command(&["INFO", "commandstats"]).unwrap();
-    let mut counts = (0, 0);
+    let mut counts = (0, 0, 0);
     for (name, rest) in info
         .lines()
         .filter_map(|line| line.strip_prefix("cmdstat_"))
@@ -26,8 +27,9 @@ fn lock_commands(server: &RedisServer) -> (u64, u64) {
         let calls: u64 = rest.split(',').next().unwrap().parse().unwrap();
         match name {
             "set" => counts.1 += calls,
-            "get" | "del" | "delifeq" | "delex" | "evalsha" | "eval" | "publish" | "pttl"
-            | "exists" | "pexpire" => counts.0 += calls,
+            "get" => counts.2 += calls,
+            "del" | "delifeq" | "delex" | "evalsha" | "eval" | "publish" | "pttl" | "exists"
+            | "pexpire" => counts.0 += calls,
             _ => {}
         }
     }
@@ -82,10 +84,11 @@ async fn a_local_pass_sends_no_server_command_and_shares_the_server_hold() {
     let (token, remaining) = (first.token().to_owned(), first.remaining());
     first.release().await.unwrap();
     let second = waiting.await.unwrap();
-    // No command of a lock's; at most the registration refresh's SET (every 3 s).
-    let (lock, set) = lock_commands(&server);
+    // No command of a lock's; at most the registration refresh's SET (every 3 s). The
+    // release waited for the run's check (one GET), the pass did not.
+    let (lock, set, get) = lock_commands(&server);
     let stats = server.command(&["INFO", "commandstats"]).unwrap();
-    assert!(lock == 0 && set <= 1, "{stats}");
+    assert!(lock == 0 && set <= 1 && get == 1, "{stats}");
     assert_eq!(locks.stats().local_passes, 1);
     assert_eq!(second.local_passes(), 1);
     // The same server hold: its token and its lease.
@@ -333,4 +336,232 @@ async fn runs_stop_at_their_bounds_and_every_manager_gets_its_turns() {
         );
     }
     assert!(keys(&server, &prefix).is_empty());
+}
+
+/// How a test takes a busy run's hold away.
+#[derive(Debug, Clone, Copy)]
+enum Steal {
+    /// A plain `GETDEL` of the key from another connection: nothing is published.
+    Del,
+    /// Another manager's forced release (as `distlock release --force`), which wakes the
+    /// waiters.
+    Forced,
+}
+
+/// One holder's turn in `steal_during_a_busy_run`.
+#[derive(Debug)]
+struct Turn {
+    entered: Instant,
+    token: String,
+    passes: u32,
+    /// Held after the steal: `lost()` fired within a second (before it: whether it had).
+    lost: bool,
+    release_began: Instant,
+    released: Result<(), LockError>,
+}
+
+/// How long past the steal's round trip a run may still pass a stolen hold on: its own round
+/// trip to learn of it, on a machine that runs other tests meanwhile.
+const STEAL_SLACK: Duration = Duration::from_millis(10);
+
+/// A holder inside when its lock is taken away passes it on: its release answers `Lost`, and
+/// the waiter it passed to sees `lost()` fire within a round trip, and its release answers
+/// `Lost` too.
+#[tokio::test]
+async fn a_pass_after_a_steal_is_lost_for_its_holder() {
+    let server = shared_server();
+    let prefix = unique_prefix("pass-after-steal");
+    let locks = manager(&server, &prefix).await;
+    let first = locks.lock("k").ttl(LONG).acquire().await.unwrap();
+    let waiting = waiter(&locks, "k", LONG);
+    ready(&locks).await;
+    // Its first look at the server behind it (the offer stands from before it).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut conn = raw(&server).await;
+    let deleted: i64 = conn.del(format!("{prefix}{{k}}")).await.unwrap();
+    assert_eq!(deleted, 1);
+    let released = first.release().await;
+    assert!(
+        matches!(released, Err(LockError::Lost { .. })),
+        "{released:?}"
+    );
+    let second = waiting.await.unwrap();
+    assert_eq!(second.local_passes(), 1);
+    let lost = tokio::time::timeout(Duration::from_secs(1), second.lost())
+        .await
+        .expect("lost() fires for a holder by a pass of a stolen hold");
+    assert!(matches!(lost, LockError::Lost { .. }), "{lost:?}");
+    let released = second.release().await;
+    assert!(
+        matches!(released, Err(LockError::Lost { .. })),
+        "{released:?}"
+    );
+    // Nobody holds it: another task takes it from the server at once.
+    let third = locks.lock("k").try_acquire().await.unwrap().unwrap();
+    assert_eq!(third.local_passes(), 0);
+    third.release().await.unwrap();
+    assert!(keys(&server, &prefix).is_empty());
+}
+
+/// Tasks of one manager pass a hot lock around in a run that only a check can stop (its
+/// bounds are far past the test), until the hold is taken away on the server.
+async fn steal_during_a_busy_run(how: Steal) {
+    let server = shared_server();
+    let prefix = unique_prefix("steal-run");
+    let builder = quick(single(server.url()), &prefix).cohort(1_000_000, Duration::from_secs(60));
+    let locks = connect(builder).await;
+    let other = manager(&server, &prefix).await;
+    // When the steal was answered, and the token it took the lock from.
+    let stolen: Arc<Mutex<Option<(Instant, String)>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let turns: Arc<Mutex<Vec<Turn>>> = Arc::default();
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (locks, stolen, stop, turns) =
+            (locks.clone(), stolen.clone(), stop.clone(), turns.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                let guard = locks
+                    .lock("k")
+                    .ttl(LONG)
+                    .retry_delay(Duration::from_millis(10))
+                    .wait(Duration::from_secs(10))
+                    .acquire()
+                    .await
+                    .unwrap();
+                let entered = Instant::now();
+                let robbed = guard.local_passes() > 0
+                    && stolen
+                        .lock()
+                        .unwrap()
+                        .as_ref()
+                        .is_some_and(|(at, token)| entered > *at && guard.token() == token);
+                let lost = if robbed {
+                    tokio::time::timeout(Duration::from_secs(1), guard.lost())
+                        .await
+                        .is_ok()
+                } else {
+                    tokio::task::yield_now().await;
+                    guard.is_lost()
+                };
+                let (token, passes) = (guard.token().to_owned(), guard.local_passes());
+                let release_began = Instant::now();
+                let released = guard.release().await;
+                turns.lock().unwrap().push(Turn {
+                    entered,
+                    token,
+                    passes,
+                    lost,
+                    release_began,
+                    released,
+                });
+            }
+        }));
+    }
+    // A run going on: many passes of one server hold.
+    let started = Instant::now();
+    while locks.stats().local_passes < 500 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no run got going"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    // Taken away while some task holds it (between two runs, nobody does).
+    let mut conn = raw(&server).await;
+    let (token, sent, answered) = loop {
+        assert!(started.elapsed() < Duration::from_secs(10), "never held");
+        let sent = Instant::now();
+        let token = match how {
+            Steal::Del => redis::cmd("GETDEL")
+                .arg(format!("{prefix}{{k}}"))
+                .query_async::<Option<String>>(&mut conn)
+                .await
+                .unwrap(),
+            // (A key whose holder went between the read and the DEL names none.)
+            Steal::Forced => other
+                .force_release("k")
+                .await
+                .unwrap()
+                .and_then(|info| Some(info.holders.first()?.token.clone())),
+        };
+        if let Some(token) = token {
+            break (token, sent, Instant::now());
+        }
+    };
+    let round_trip = answered - sent;
+    *stolen.lock().unwrap() = Some((answered, token.clone()));
+    // Another manager gets the key.
+    let theirs = other
+        .lock("k")
+        .ttl(LONG)
+        .wait(Duration::from_secs(5))
+        .acquire()
+        .await
+        .unwrap();
+    let (theirs_from, got_it) = (Instant::now(), Instant::now() - answered);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let theirs_until = Instant::now();
+    theirs.release().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    stop.store(true, Ordering::SeqCst);
+    for task in tasks {
+        task.await.unwrap();
+    }
+
+    let turns = std::mem::take(&mut *turns.lock().unwrap());
+    let robbed: Vec<&Turn> = turns.iter().filter(|turn| turn.token == token).collect();
+    let passed_after = robbed
+        .iter()
+        .filter(|turn| turn.passes > 0 && turn.entered > answered)
+        .count();
+    let summary = format!(
+        "{how:?}: steal round trip {round_trip:?}, the other manager got the key {got_it:?} \
+         after; {} turns, {} of the robbed hold, {passed_after} entered by a pass after the steal",
+        turns.len(),
+        robbed.len(),
+    );
+    println!("{summary}");
+    // After the steal's round trip (and the check's), no pass of the robbed hold.
+    let bound = answered + round_trip + STEAL_SLACK;
+    for turn in &robbed {
+        assert!(
+            turn.passes == 0 || turn.entered <= bound,
+            "{summary}: a pass of the robbed hold {:?} after the steal",
+            turn.entered - answered
+        );
+    }
+    // Its holders by a pass after the steal see lost() fire (a pass just before it, seen
+    // entering after it, need not: `a_pass_after_a_steal_is_lost_for_its_holder`).
+    let lost_after = robbed
+        .iter()
+        .filter(|turn| turn.passes > 0 && turn.entered > answered && turn.lost)
+        .count();
+    println!("{summary}; lost() fired for {lost_after}");
+    for turn in robbed.iter().filter(|turn| turn.release_began > answered) {
+        assert!(
+            matches!(turn.released, Err(LockError::Lost { .. })),
+            "{summary}: a release of the robbed hold answered {:?}",
+            turn.released
+        );
+    }
+    // Nobody of this manager was inside with the other manager.
+    for turn in turns.iter().filter(|turn| turn.token != token) {
+        assert!(
+            turn.entered < theirs_from || turn.entered > theirs_until,
+            "{summary}: entered {:?} while the other manager held the key",
+            turn.entered - theirs_from
+        );
+    }
+    assert!(keys(&server, &prefix).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_del_stops_a_run_within_a_round_trip() {
+    steal_during_a_busy_run(Steal::Del).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_release_stops_a_run_within_a_round_trip() {
+    steal_during_a_busy_run(Steal::Forced).await;
 }

@@ -249,6 +249,15 @@ impl Backend {
             masters => masters.holds(hold).await)
     }
 
+    /// Whether the token of `ids` holds its plain lock (the string form; on a majority): the
+    /// check of a cohort's run, one `GET` per endpoint.
+    pub(crate) async fn holds_plain(&self, ids: &HoldIds) -> RedisResult<bool> {
+        let (lock, token) = (&ids.lock, &ids.token);
+        each!(self,
+            node => node.holds_plain(lock, token).await,
+            masters => masters.holds_plain(lock, token).await)
+    }
+
     /// Takes back a waiting writer's intent (see [`Node::withdraw_intent`]). RedLock has no
     /// read-write locks, hence no intents.
     pub(crate) async fn withdraw_intent(

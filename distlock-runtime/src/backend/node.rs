@@ -766,6 +766,22 @@ impl Node {
         }
     }
 
+    /// Whether `token` holds the plain lock `lock` (the string form): one `GET`, compared
+    /// here. Another kind's hash at the key is not this owner's plain lock.
+    pub(crate) async fn holds_plain(&self, lock: &str, token: &str) -> RedisResult<bool> {
+        let mut conn = self.conn().await?;
+        let mut get = command("GET", 1, lock.len());
+        get.arg(lock);
+        match self
+            .bounded(get.query_async::<Option<Vec<u8>>>(&mut conn))
+            .await
+        {
+            Ok(value) => Ok(value.as_deref() == Some(token.as_bytes())),
+            Err(error) if error.code() == Some("WRONGTYPE") => Ok(false),
+            Err(error) => self.watch(Err(error)),
+        }
+    }
+
     /// Takes back a waiting writer's intent and wakes the lock's waiters, if the intent is
     /// still that writer's: whether it was.
     pub(crate) async fn withdraw_intent(

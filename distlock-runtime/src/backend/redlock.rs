@@ -180,6 +180,12 @@ impl RedLock {
         self.tally().yes(answers)
     }
 
+    /// Whether the token holds the plain lock (on a majority).
+    pub(crate) async fn holds_plain(&self, lock: &str, token: &str) -> RedisResult<bool> {
+        let answers = join_all(self.nodes.iter().map(|n| n.holds_plain(lock, token))).await;
+        self.tally().yes(answers)
+    }
+
     /// Sends `cmd` to every master and returns each node's answers (see
     /// [`Node::ask_masters`]).
     pub(crate) async fn ask_masters(
