@@ -809,7 +809,14 @@ impl Shared {
             if keys.iter().all(|key| {
                 key.subscribed_in.load(Ordering::Acquire) == generation || !self.is_waited(key)
             }) {
-                for key in keys {
+                for key in &keys {
+                    key.woken();
+                }
+                // Once more when an attempt in flight at that wake-up has had its answer (a
+                // waiter counts wake-ups from its last look, which that attempt is): it then
+                // sleeps on what may be a stale busy answer, and is woken to look again.
+                tokio::time::sleep(self.response_timeout + Duration::from_millis(50)).await;
+                for key in keys.iter().filter(|key| self.is_waited(key)) {
                     key.woken();
                 }
                 return;
