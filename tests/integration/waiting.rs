@@ -339,6 +339,22 @@ async fn behind(proxy: &FaultProxy, prefix: &str) -> LockManager {
     support::manager_at(proxy.url(), prefix).await
 }
 
+/// Waits until nothing is left under `prefix`, for at most the time an attempt abandoned
+/// during a fault may still land and be released again (a blackholed proxy holds the
+/// attempt's bytes and delivers them when it heals, after its cover's release on a new
+/// connection: the release behind it is sent once more, `Backend::late_delivery` later).
+async fn no_keys_left_soon(server: &RedisServer, prefix: &str) {
+    let started = std::time::Instant::now();
+    while !keys(server, prefix).is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "left behind: {:?}",
+            keys(server, prefix)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Generous: a request bounded by a second or two that has not ended by then is stuck.
 const STUCK: Duration = Duration::from_secs(30);
 
@@ -394,7 +410,7 @@ async fn a_stuck_pubsub_connection_stalls_no_waiter() {
         "still subscribed: {:?}",
         channels(&server, &prefix)
     );
-    assert!(keys(&server, &prefix).is_empty());
+    no_keys_left_soon(&server, &prefix).await;
 }
 
 #[derive(Debug)]
@@ -475,5 +491,5 @@ async fn waiters_queued_through_an_outage_report_it_instead_of_busy() {
     guard.release().await.unwrap();
     assert_eq!(locks.stats().waiting_keys, 0);
     assert!(no_channels_left(&server, &prefix).await);
-    assert!(keys(&server, &prefix).is_empty());
+    no_keys_left_soon(&server, &prefix).await;
 }
