@@ -413,7 +413,14 @@ impl History {
             self.violation(format!("overlap: {who}: {conflict}"));
         }
         if let Some(fence) = fence {
+            // When the request began: `waited()` is fixed when the guard is built, and a
+            // starved task may enter here well after that, so it alone would place the start
+            // too late (and count holds that left after the fence was drawn as earlier). The
+            // lease says when the granting attempt was sent (its end, less the ttl), which
+            // bounds the draw from below; a caller that knows when it asked says so too.
             let began = now - guard.waited();
+            let sent = (now + guard.remaining()).checked_sub(guard.ttl());
+            let began = sent.map_or(began, |sent| began.min(sent));
             self.fenced(
                 who,
                 key,
@@ -1122,9 +1129,9 @@ async fn take(
     faults: bool,
 ) -> Option<(LockGuard, Entry)> {
     let attempt = plan.request(locks);
+    let asked = Instant::now();
     let result = if plan.wait.is_some() {
         let waiting = world.history.waits(&format!("{who} {plan:?}"), plan.key);
-        let asked = Instant::now();
         let result = world.bounded("acquire", attempt.acquire()).await;
         drop(waiting);
         // The wait bounds the call: past it, only an attempt in flight (bounded by the
@@ -1145,7 +1152,8 @@ async fn take(
     };
     match result {
         Ok(Some(guard)) => {
-            let entry = world.history.enter(who, plan.key, plan.held_as(), &guard);
+            let entry =
+                (world.history).enter_asked(who, plan.key, plan.held_as(), &guard, Some(asked));
             if plan.fair {
                 entry.uncapped();
             }
