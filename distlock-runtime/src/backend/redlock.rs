@@ -112,15 +112,34 @@ impl RedLock {
         }
         // Not held: give back whatever was granted, on every node, before answering.
         if tally.maybe_granted(held) {
-            let ids = req.hold_ids();
-            self.on_all(limit, |n| n.release(&ids, Duration::ZERO))
-                .await;
+            self.give_back(req.hold_ids(), limit).await;
         }
         // Too few answers to call it busy: report why.
         tally.outcome(Attempt::Busy {
             holder_ttl: busy_for,
             holder,
         })
+    }
+
+    /// Gives back a grant that does not stand, on every node: waits up to `limit` for the
+    /// answers, and leaves a slower node's release to finish in the background instead of
+    /// dropping it (a dropped one could leave that node's copy until its lease ends).
+    async fn give_back(&self, ids: HoldIds, limit: Duration) {
+        let ids = Arc::new(ids);
+        let mut pending: FuturesUnordered<_> = self
+            .nodes
+            .iter()
+            .map(|node| {
+                let (node, ids) = (node.clone(), ids.clone());
+                async move { node.release(&ids, Duration::ZERO).await }
+            })
+            .collect();
+        let answered = async { while pending.next().await.is_some() {} };
+        if tokio::time::timeout(limit, answered).await.is_err()
+            && let Ok(runtime) = runtime::Handle::try_current()
+        {
+            drop(runtime.spawn(async move { while pending.next().await.is_some() {} }));
+        }
     }
 
     /// Gives back one hold; with several nodes, `false` only when a majority did not hold it.
