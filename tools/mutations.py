@@ -106,6 +106,8 @@ MUTATIONS = [
        "true => (u32::MAX, Duration::MAX),")]),
     ("waiters: a lock passes to a waiter that asked for another lease", "cohorts",
      [(RT + "waiters.rs", "                && offer.lease == lease\n", "")]),
+    ("watchdog: a renewal sent late is not reported", "leases",
+     [(RT + "watchdog.rs", "if is_late(left, lease.ttl) {", "if false {")]),
     ("acquire.lua: the fencing counter does not grow", "exclusive",
      [(LUA + "acquire.lua", "    fence = redis.call('incr', KEYS[2])\n    redis.call('hset', lock, token, 1, 'fence', fence)",
        "    fence = redis.call('incr', KEYS[2]) % 3 + 1\n    redis.call('hset', lock, token, 1, 'fence', fence)")]),

@@ -69,6 +69,11 @@ impl Driver {
             .map_err(|_| LockError::DriverStopped)
     }
 
+    /// The background runtime.
+    pub(crate) fn handle(&self) -> &Handle {
+        &self.handle
+    }
+
     /// Starts `task` on the background runtime without waiting for it.
     pub(crate) fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
         drop(self.handle.spawn(task));

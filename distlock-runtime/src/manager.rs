@@ -89,6 +89,11 @@ pub struct Stats {
     pub leases_renewed: u64,
     /// Leases the watchdog found lost (gone or taken by another owner).
     pub leases_lost: u64,
+    /// Renewals the watchdog sent late, with less than half of their lease left: it is
+    /// falling behind (the server, the network or this process cannot keep up), and leases
+    /// will be lost if it goes on. The first late renewal logs a warning, then at most one
+    /// every 10 s; `distlock_renewals_late_total` counts them with the `metrics` feature.
+    pub renewals_late: u64,
     /// Keys that have local waiters right now (each with a pub/sub subscription).
     pub waiting_keys: usize,
     /// Leases the watchdog renews right now (0 once every watched guard is gone).
@@ -147,6 +152,7 @@ impl LockManager {
             renewal_round_trips: counters.round_trips.load(Ordering::Relaxed),
             leases_renewed: counters.renewed.load(Ordering::Relaxed),
             leases_lost: counters.lost.load(Ordering::Acquire),
+            renewals_late: self.inner.watchdog.late_renewals(),
             waiting_keys: self.inner.waiters.waiting_keys(),
             watched_leases: self.inner.watchdog.watched(),
             local_handoffs: self.inner.waiters.handoffs(),
@@ -645,6 +651,7 @@ impl LockManagerBuilder {
             }),
             tag: tag.clone(),
             client_name: format!("{client_name}:{tag}").into(),
+            background: driver.handle().clone(),
         };
         let (connect_timeout, response_timeout) =
             (options.connect_timeout, options.response_timeout);

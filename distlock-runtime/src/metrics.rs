@@ -18,6 +18,7 @@
 //! | `distlock_hold_seconds` | histogram | | time from acquisition to release (or drop); a set of locks is one hold, of kind `exclusive` (a key it re-entered is a hold of its own) |
 //! | `distlock_lost_total` | counter | | holds that ended with their lease lost, as [`LockGuard::is_lost`](crate::LockGuard::is_lost) tells (not those given back by shutdown) |
 //! | `distlock_renewals_total` | counter | `outcome` | watchdog renewals of one lease: `renewed`, `lost` (another owner or no key), `failed` (Redis failed; retried) |
+//! | `distlock_renewals_late_total` | counter | | watchdog renewals sent with less than half of their lease left: renewal is falling behind, and leases will be lost if it goes on (a warning is logged too) |
 //! | `distlock_handoffs_total` | counter | | locks taken by a request that had queued for them: a release (or an expiry) handed the lock to a waiter |
 //! | `distlock_waiting` | gauge | | requests waiting in the manager's queue for a busy lock |
 //! | `distlock_elections_won_total` | counter | `election` (only) | campaigns that made this process leader |
@@ -46,6 +47,8 @@ pub const HOLD: &str = "distlock_hold_seconds";
 pub const LOST: &str = "distlock_lost_total";
 /// Counter: watchdog renewals of one lease, by `outcome` (`renewed`, `lost`, `failed`).
 pub const RENEWALS: &str = "distlock_renewals_total";
+/// Counter: watchdog renewals sent with less than half of their lease left.
+pub const RENEWALS_LATE: &str = "distlock_renewals_late_total";
 /// Counter: locks taken by a request that had queued for them.
 pub const HANDOFFS: &str = "distlock_handoffs_total";
 /// Gauge: requests waiting in the manager's queue for a busy lock.
@@ -75,6 +78,10 @@ pub fn describe() {
         describe_histogram!(HOLD, Unit::Seconds, "Time from acquisition to release.");
         describe_counter!(LOST, "Holds that ended with their lease lost.");
         describe_counter!(RENEWALS, "Watchdog renewals of one lease, by outcome.");
+        describe_counter!(
+            RENEWALS_LATE,
+            "Watchdog renewals sent with less than half of their lease left."
+        );
         describe_counter!(
             HANDOFFS,
             "Locks taken by a request that had queued for them."
@@ -229,6 +236,13 @@ pub(crate) fn renewal(labels: Labels, outcome: RenewalOutcome) {
         };
         labelled!(counter, RENEWALS, labels, "outcome" => outcome).increment(1);
     }
+}
+
+/// The watchdog sent one lease's renewal late (less than half of the lease left).
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn renewal_late(labels: Labels) {
+    #[cfg(feature = "metrics")]
+    labelled!(counter, RENEWALS_LATE, labels).increment(1);
 }
 
 /// A request took its lock; `queued` if it had waited in the manager's queue for it.

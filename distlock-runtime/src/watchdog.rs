@@ -37,6 +37,9 @@ const IN_FLIGHT: usize = 8;
 /// manager's round trips too, never spends long on one.
 const PER_LOOK: usize = BATCH * IN_FLIGHT;
 
+/// The watchdog says it is falling behind at most once per this period.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
 /// A registered lease; it stops being renewed when this handle is dropped.
 #[derive(Debug)]
 pub(crate) struct Registration {
@@ -190,6 +193,8 @@ struct Leases {
     running: bool,
     /// When the task will look next on its own, while it sleeps: a lease due earlier wakes it.
     sleeps_until: Option<Instant>,
+    /// How far behind the renewals run, and when the watchdog last said so.
+    behind: Behind,
 }
 
 impl Leases {
@@ -239,6 +244,11 @@ impl Watchdog {
     /// How many leases are registered for renewal.
     pub(crate) fn watched(&self) -> usize {
         self.shared.lock().by_id.len()
+    }
+
+    /// How many renewals went out late (see [`is_late`]) since the manager was built.
+    pub(crate) fn late_renewals(&self) -> u64 {
+        self.shared.lock().behind.total
     }
 
     /// Stops renewing every lease; the task ends at its next look.
@@ -388,6 +398,11 @@ fn collect_due(leases: &mut Leases) -> Vec<Due> {
         }
         lease.next_renewal = saturating_add(now, lease.ttl / 3);
         if holder_alive {
+            let left = lease.state.valid_until().saturating_duration_since(now);
+            if is_late(left, lease.ttl) {
+                leases.behind.late(left, lease.ttl, lease.hold.lock());
+                crate::metrics::renewal_late(lease.metrics);
+            }
             due.push(Due {
                 id,
                 hold: lease.hold.clone(),
@@ -400,7 +415,84 @@ fn collect_due(leases: &mut Leases) -> Vec<Due> {
         }
         leases.reschedule(id);
     }
+    if let Some(warning) = leases.behind.warning(now) {
+        tracing::warn!(
+            late = warning.late,
+            lock = %warning.lock,
+            watched = leases.by_id.len(),
+            more_due = due.len() == PER_LOOK,
+            least_left = ?warning.least_left,
+            ttl = ?warning.ttl,
+            "lease renewals are falling behind: {} renewals went out with less than half of \
+             their lease left (the latest {:?} of {:?}); leases will be lost if this goes on. \
+             Hold fewer watched locks per manager, use a longer ttl, or give Redis and this \
+             process more CPU",
+            warning.late,
+            warning.least_left,
+            warning.ttl,
+        );
+    }
     due
+}
+
+/// Whether a renewal that finds `left` of a `ttl` lease is late. Renewals are planned when a
+/// third of the lease has passed (two thirds left): one sent with less than half left comes a
+/// sixth of the lease behind its plan, and a watchdog that keeps slipping loses leases next.
+fn is_late(left: Duration, ttl: Duration) -> bool {
+    left < ttl / 2
+}
+
+/// Late renewals since the watchdog last said it was falling behind.
+#[derive(Debug, Default)]
+struct Behind {
+    /// Late renewals not yet reported.
+    late: u64,
+    /// Late renewals since the manager was built.
+    total: u64,
+    /// The least lease left of those, its ttl and its lock.
+    least: Option<(Duration, Duration, String)>,
+    /// When the last warning went out.
+    warned: Option<Instant>,
+}
+
+/// What a warning reports: how many renewals went out late, and the latest of them.
+#[derive(Debug, PartialEq, Eq)]
+struct Warning {
+    late: u64,
+    least_left: Duration,
+    ttl: Duration,
+    lock: String,
+}
+
+impl Behind {
+    /// A renewal of `lock` went out late, with `left` of its `ttl`.
+    fn late(&mut self, left: Duration, ttl: Duration, lock: &str) {
+        self.late += 1;
+        self.total += 1;
+        if self.least.as_ref().is_none_or(|(least, ..)| left < *least) {
+            self.least = Some((left, ttl, lock.to_owned()));
+        }
+    }
+
+    /// The warning to give at `now`, if renewals went out late since the last one and it was
+    /// at least [`WARN_EVERY`] ago (the first one at once).
+    fn warning(&mut self, now: Instant) -> Option<Warning> {
+        self.least.as_ref()?;
+        if self
+            .warned
+            .is_some_and(|warned| now.saturating_duration_since(warned) < WARN_EVERY)
+        {
+            return None;
+        }
+        let (least_left, ttl, lock) = self.least.take()?;
+        self.warned = Some(now);
+        Some(Warning {
+            late: std::mem::take(&mut self.late),
+            least_left,
+            ttl,
+            lock,
+        })
+    }
 }
 
 /// Renews `due`, [`BATCH`] leases per call, up to [`IN_FLIGHT`] calls at once (on Cluster,
@@ -496,8 +588,47 @@ async fn renew_batch(shared: &Renewals, backend: &Backend, batch: &[Due]) {
 
 #[cfg(test)]
 mod tests {
-    use super::Schedule;
+    use super::{Behind, Schedule, WARN_EVERY, Warning, is_late};
     use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_renewal_is_late_with_less_than_half_of_its_lease_left() {
+        let ttl = Duration::from_secs(3);
+        // Planned at a third of the lease: two thirds left.
+        assert!(!is_late(Duration::from_secs(2), ttl));
+        assert!(!is_late(Duration::from_millis(1_500), ttl));
+        assert!(is_late(Duration::from_millis(1_499), ttl));
+        assert!(is_late(Duration::ZERO, ttl));
+    }
+
+    #[test]
+    fn the_first_late_renewal_warns_at_once_then_at_most_once_a_period() {
+        let now = Instant::now();
+        let ttl = Duration::from_secs(3);
+        let mut behind = Behind::default();
+        assert_eq!(behind.warning(now), None, "nothing late: no warning");
+        behind.late(Duration::from_millis(900), ttl, "a");
+        behind.late(Duration::from_millis(700), ttl, "b");
+        behind.late(Duration::from_millis(800), ttl, "c");
+        assert_eq!(
+            behind.warning(now),
+            Some(Warning {
+                late: 3,
+                least_left: Duration::from_millis(700),
+                ttl,
+                lock: "b".to_owned(),
+            })
+        );
+        // More late renewals within the period are counted, not told at once.
+        behind.late(Duration::from_millis(600), ttl, "d");
+        assert_eq!(behind.warning(now + WARN_EVERY / 2), None);
+        behind.late(Duration::from_millis(650), ttl, "e");
+        let next = behind.warning(now + WARN_EVERY).expect("a period later");
+        assert_eq!((next.late, next.lock.as_str()), (2, "d"));
+        // Caught up: nothing more to say.
+        assert_eq!(behind.warning(now + WARN_EVERY * 3), None);
+        assert_eq!(behind.total, 5);
+    }
 
     fn drain(schedule: &mut Schedule, limit: Instant) -> Vec<u64> {
         std::iter::from_fn(|| schedule.pop_due(limit).map(|(id, _)| id)).collect()

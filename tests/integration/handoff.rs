@@ -294,7 +294,7 @@ async fn a_handed_lock_is_renewed_and_nests_like_any_other() {
             distlock::scope(async {
                 let guard = locks
                     .lock("k")
-                    .ttl(Duration::from_millis(300))
+                    .ttl(Duration::from_millis(900))
                     .watchdog(true)
                     .reentrant(true)
                     .retry_delay(LONG)
@@ -313,8 +313,9 @@ async fn a_handed_lock_is_renewed_and_nests_like_any_other() {
     holder.release().await.unwrap();
     let (guard, nested) = waiting.await.unwrap();
     assert_eq!(locks.stats().local_handoffs, 1);
-    // Three leases long: only renewals keep it.
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    // Three leases long: only renewals keep it (leases of 900 ms, so that a renewal made late
+    // by a busy machine still comes in time).
+    tokio::time::sleep(Duration::from_millis(2_700)).await;
     assert!(guard.is_held().await.unwrap());
     assert!(!guard.is_lost());
     drop(nested);

@@ -499,3 +499,71 @@ async fn renewal_is_batched() {
     }
     assert!(keys(&server, "batch:").is_empty());
 }
+
+/// A watchdog that falls behind says so while every lease is still valid: renewals held up
+/// by a server that stops answering for a while go out with less than half of their lease
+/// left, which is counted and logged as a warning naming a late lock, and both leases are
+/// renewed in time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watchdog_falling_behind_warns_before_any_lease_is_lost() {
+    let logs = crate::support::logs::Logs::global();
+    let server = RedisServer::start().unwrap();
+    let prefix = unique_prefix("behind");
+    // Answers may take as long as the pause below: the renewal waits instead of failing.
+    let locks = LockManager::builder()
+        .redis_url(server.url())
+        .key_prefix(&prefix)
+        .response_timeout(Duration::from_secs(4))
+        .build()
+        .await
+        .unwrap();
+    let ttl = Duration::from_secs(3);
+    let take = |key: &'static str| locks.lock(key).ttl(ttl).watchdog(true).acquire();
+    // Renewals are planned a third of the lease in; the second lease's falls more than the
+    // sixth of a lease after the first's, so the two are not renewed together.
+    let first = take("behind:first").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let second = take("behind:second").await.unwrap();
+    let taken = Instant::now();
+    server.pause().unwrap();
+    // The first renewal goes out and waits for the server; the second lease's renewal is due
+    // meanwhile and waits behind it.
+    while locks.stats().renewal_round_trips == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Resumed once the second lease has less than half left, well before it runs out.
+    tokio::time::sleep_until((taken + ttl * 2 / 3).into()).await;
+    server.resume().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let warning = loop {
+        let lines = logs.matching("lease renewals are falling behind");
+        if let Some(line) = lines.into_iter().find(|line| line.contains(&prefix)) {
+            break line;
+        }
+        assert!(Instant::now() < deadline, "no warning: {:?}", locks.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert!(warning.starts_with("WARN"), "{warning}");
+    assert!(
+        warning.contains("{behind:first}") || warning.contains("{behind:second}"),
+        "names a late lock: {warning}"
+    );
+    // Both leases go on: each is renewed once the server answers again.
+    let mut redis = raw(&server).await;
+    for key in ["behind:first", "behind:second"] {
+        loop {
+            let pttl: i64 = redis.pttl(locks.redis_key(key)).await.unwrap();
+            if pttl > ttl.as_millis() as i64 / 2 {
+                break;
+            }
+            assert!(pttl > 0, "{key} ran out: {:?}", locks.stats());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    let stats = locks.stats();
+    assert!(stats.renewals_late >= 1, "{stats:?}");
+    assert_eq!(stats.leases_lost, 0, "warned, and nothing lost: {stats:?}");
+    assert!(!first.is_lost() && !second.is_lost());
+    first.release().await.unwrap();
+    second.release().await.unwrap();
+}

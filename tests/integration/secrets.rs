@@ -1,7 +1,6 @@
 //! No password (nor key material) ever shows in `Debug`, `Display`, errors or tracing output.
 
 use std::error::Error as _;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use distlock::testing::RedisServer;
@@ -25,12 +24,7 @@ const SPLIT_PIECES: [&str; 5] = ["Sl4shy", "Qu3ry", "H4shy", "T41l", SPLIT_USER]
 /// Everything logged by any thread of this test binary, from the first call on: the tests of
 /// the other modules too, so none of them may log these secrets either.
 fn logs() -> &'static Logs {
-    static LOGS: OnceLock<Logs> = OnceLock::new();
-    LOGS.get_or_init(|| {
-        let logs = Logs::default();
-        tracing::subscriber::set_global_default(logs.clone()).expect("one global subscriber");
-        logs
-    })
+    Logs::global()
 }
 
 fn quick(builder: LockManagerBuilder) -> LockManagerBuilder {

@@ -41,6 +41,18 @@ impl Logs {
         (logs, guard)
     }
 
+    /// Captures what every thread logs, from the first call on, for the rest of the test
+    /// binary (a manager's background tasks run on a thread of their own). Other tests log
+    /// here too: look for lines that name what the test made.
+    pub fn global() -> &'static Self {
+        static GLOBAL: std::sync::OnceLock<Logs> = std::sync::OnceLock::new();
+        GLOBAL.get_or_init(|| {
+            let logs = Self::default();
+            tracing::subscriber::set_global_default(logs.clone()).expect("one global subscriber");
+            logs
+        })
+    }
+
     fn push(&self, line: String) {
         self.lines.lock().unwrap().push(line);
     }

@@ -38,6 +38,9 @@ pub(crate) struct ConnectOptions {
     pub(crate) tag: Arc<str>,
     /// The name this manager's connections give themselves (`CLIENT SETNAME`).
     pub(crate) client_name: Arc<str>,
+    /// The manager's own runtime, which outlives any caller's: what must reach the server
+    /// after the caller's runtime is gone is sent from there.
+    pub(crate) background: runtime::Handle,
 }
 
 /// The connections of one endpoint, and what is known of the server behind them.

@@ -22,12 +22,26 @@ use super::pool::{ConnectOptions, bounded};
 #[derive(Clone, Debug)]
 pub(super) struct RedLock {
     pub(super) nodes: Arc<[Node]>,
-    pub(super) quorum: usize,
+    /// The quorum, and where a release that may not have reached every master is sent once
+    /// more (one pointer: every backend handle carries this struct).
+    shared: Arc<Shared>,
+}
+
+/// What the masters' handles share.
+#[derive(Debug)]
+struct Shared {
+    quorum: usize,
+    /// The manager's runtime, and how long after a request its socket may still deliver it.
+    background: runtime::Handle,
+    late: Duration,
 }
 
 impl RedLock {
     /// Connects to every master; a majority must answer.
     pub(super) async fn connect(urls: &[String], options: ConnectOptions) -> RedisResult<Self> {
+        let background = options.background.clone();
+        let response = options.response_timeout;
+        let late = crate::security::socket_timeouts(response).unacknowledged + response;
         let nodes = urls
             .iter()
             .map(|url| Node::new(url, options.clone()))
@@ -49,14 +63,18 @@ impl RedLock {
         }
         Ok(Self {
             nodes: nodes.into(),
-            quorum,
+            shared: Arc::new(Shared {
+                quorum,
+                background,
+                late,
+            }),
         })
     }
 
     /// Counts the masters' answers to one operation against this quorum.
     pub(super) fn tally(&self) -> Tally {
         Tally {
-            quorum: self.quorum,
+            quorum: self.shared.quorum,
             answered: 0,
             error: None,
         }
@@ -134,12 +152,58 @@ impl RedLock {
                 async move { node.release(&ids, Duration::ZERO).await }
             })
             .collect();
-        let answered = async { while pending.next().await.is_some() {} };
-        if tokio::time::timeout(limit, answered).await.is_err()
-            && let Ok(runtime) = runtime::Handle::try_current()
-        {
-            drop(runtime.spawn(async move { while pending.next().await.is_some() {} }));
+        let mut failed = false;
+        let answered = async {
+            while let Some(answer) = pending.next().await {
+                failed |= answer.is_err();
+            }
+        };
+        let in_time = tokio::time::timeout(limit, answered).await.is_ok();
+        if !in_time || failed {
+            self.finish_in_background(pending, failed, ids, Duration::ZERO);
         }
+    }
+
+    /// Lets `pending`, releases of `ids` still out on some masters, finish on the caller's
+    /// runtime, whose connections carry them (behind whatever went to the same master
+    /// before). Unless they all answer, `ids` is given back once more on every master from
+    /// the manager's runtime, once the sockets can no longer deliver anything sent before:
+    /// the caller's runtime may go away first (and its connections with it), a master may
+    /// have failed (`failed`: one did already). A second release of a hold that is gone does
+    /// nothing.
+    fn finish_in_background<F>(
+        &self,
+        mut pending: FuturesUnordered<F>,
+        failed: bool,
+        ids: Arc<HoldIds>,
+        keep: Duration,
+    ) where
+        F: Future<Output = RedisResult<bool>> + Send + 'static,
+    {
+        let sent = std::time::Instant::now();
+        let (answered, answer) = tokio::sync::oneshot::channel::<()>();
+        let stragglers = async move {
+            let mut ok = !failed;
+            while let Some(answer) = pending.next().await {
+                ok &= answer.is_ok();
+            }
+            if ok {
+                let _ = answered.send(());
+            }
+        };
+        if let Ok(runtime) = runtime::Handle::try_current() {
+            drop(runtime.spawn(stragglers));
+        }
+        let (nodes, late) = (self.nodes.clone(), self.shared.late);
+        drop(self.shared.background.spawn(async move {
+            if answer.await.is_ok() {
+                return;
+            }
+            tokio::time::sleep_until((sent + late).into()).await;
+            // What is left of a `min_hold`, counted from the first release.
+            let keep = keep.saturating_sub(sent.elapsed());
+            join_all(nodes.iter().map(|node| node.release(&ids, keep))).await;
+        }));
     }
 
     /// Gives back one hold; with several nodes, `false` only when a majority did not hold it.
@@ -160,15 +224,14 @@ impl RedLock {
             .collect();
         // Lost only when a majority positively did not hold it: a node that is down, or one
         // that never granted this hold, is not evidence that the lease ended.
-        let (mut tally, mut not_held) = (self.tally(), 0);
+        let (mut tally, mut not_held, mut failed) = (self.tally(), 0, false);
         while let Some(answer) = pending.next().await {
+            failed |= answer.is_err();
             if let Some(released) = tally.count(answer) {
                 not_held += usize::from(!released);
             }
             if tally.settled(not_held, pending.len()) && !pending.is_empty() {
-                if let Ok(runtime) = runtime::Handle::try_current() {
-                    drop(runtime.spawn(async move { while pending.next().await.is_some() {} }));
-                }
+                self.finish_in_background(pending, failed, shared, keep);
                 break;
             }
         }
