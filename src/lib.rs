@@ -67,6 +67,8 @@
 
 pub use distlock_runtime::*;
 
+pub mod guide;
+
 /// Runs an `async fn` while holding a distributed lock.
 ///
 /// The function's body runs only once the lock is taken; the lock is released (and the
