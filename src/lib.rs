@@ -58,6 +58,14 @@
 //! What no lease can prevent is a holder that stalls (GC, swap, a blocked executor) past its
 //! lease and then carries on. Where that would merely repeat work, the lock is enough. Where it
 //! would corrupt data, make the storage check [fencing tokens](LockGuard::fencing_token).
+//!
+//! # The guide
+//!
+//! Everything beyond the API reference is in [the guide](guide), one chapter per module:
+//! [getting started](guide::getting_started), [the macro](guide::attribute),
+//! [long critical sections](guide::long_sections), [waiting](guide::waiting),
+//! [what a lock guarantees](guide::guarantees), [topologies](guide::topologies), the
+//! [`distlock` binary](guide::cli), [testing your own code](guide::testing), and more.
 #![warn(
     missing_docs,
     missing_debug_implementations,
@@ -66,6 +74,8 @@
 )]
 
 pub use distlock_runtime::*;
+
+pub mod guide;
 
 /// Runs an `async fn` while holding a distributed lock.
 ///

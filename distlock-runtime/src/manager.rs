@@ -140,7 +140,8 @@ impl LockManager {
     }
 
     /// The Redis key that holds the lock named `key`: `prefix{key}`, or `prefix{escaped}~`
-    /// when `key` contains `}` (see the README's Redis data model).
+    /// when `key` contains `}` (see the guide's
+    /// [Redis data model](https://docs.rs/distlock/latest/distlock/guide/data_model/index.html)).
     pub fn redis_key(&self, key: &str) -> String {
         key::lock_key(&self.inner.prefix, key)
     }
@@ -428,9 +429,10 @@ impl LockManagerBuilder {
     /// held when a majority of them granted it within its lease. Replaces `redis_url`.
     ///
     /// Each master is a plain server with no replication between them. Locks taken this way
-    /// survive the crash of a minority of masters; see the README for what RedLock does and
-    /// does not promise. Exclusive locks only (also reentrant), without fencing tokens: the
-    /// masters' counters are independent, so no single increasing sequence exists.
+    /// survive the crash of a minority of masters; see the guide's
+    /// [topologies](https://docs.rs/distlock/latest/distlock/guide/topologies/index.html) for what RedLock
+    /// does and does not promise. Exclusive locks only (also reentrant), without fencing
+    /// tokens: the masters' counters are independent, so no single increasing sequence exists.
     pub fn redlock<I, S>(mut self, urls: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -523,8 +525,9 @@ impl LockManagerBuilder {
     /// `requirepass`). Works on every topology; with [`sentinel`](Self::sentinel) it applies
     /// to the master only, while the Sentinels keep the credentials of their URLs.
     ///
-    /// The password never appears in `Debug` output, errors or logs. The README's ACL section
-    /// gives the permissions the user needs.
+    /// The password never appears in `Debug` output, errors or logs. The guide's
+    /// [ACL users](https://docs.rs/distlock/latest/distlock/guide/server_setup/index.html#acl-users) gives
+    /// the permissions the user needs ([`LockManager::acl_rules`] prints them).
     pub fn credentials(mut self, username: impl Into<String>, password: impl Into<String>) -> Self {
         self.security.credentials = Some(Credentials {
             username: Some(username.into()),
@@ -835,8 +838,9 @@ fn connect_error(target: &str, error: redis::RedisError) -> LockError {
         LockError::redis("", error)
     } else if backend::denied(&error) {
         LockError::Config(format!(
-            "the Redis user at {target} lacks a permission distlock needs ({error}); see the \
-             README's ACL section for the rule to grant"
+            "the Redis user at {target} lacks a permission distlock needs ({error}); see \
+             `LockManager::acl_rules` and the guide's ACL users (distlock::guide::server_setup) \
+             for the rule to grant"
         ))
     } else {
         LockError::Config(format!("cannot connect to {target}: {error}"))

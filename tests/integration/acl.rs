@@ -1,4 +1,4 @@
-//! ACL users: distlock works for a user restricted to its prefix, with the README's rule or
+//! ACL users: distlock works for a user restricted to its prefix, with the guide's rule or
 //! with `+@all -@dangerous`, and a missing permission is a clear error at `build()`.
 
 use std::time::Duration;
@@ -146,7 +146,7 @@ async fn the_readme_rule_is_enough() {
     let server = server_with_user(&LockManager::acl_rules(prefix));
     let locks = manager_as_locker(&server, prefix)
         .await
-        .expect("builds with exactly the README's rule");
+        .expect("builds with exactly the guide's rule");
     every_kind_works(&locks).await;
 }
 

@@ -2640,7 +2640,8 @@ async fn sentinel_with_faults(seed: u64, target: u64, run: &Run) {
         std::thread::sleep(Duration::from_millis(rng.u64(20..120)));
         let _ = m.resume();
         // On a loaded machine a pause can outlast the Sentinels' patience: if they failed the
-        // master over, grants made before are not covered (see README, Sentinel).
+        // master over, grants made before are not covered (see the guide's topologies
+        // chapter, Sentinel).
         let role = m.command(&["ROLE"]).unwrap_or_default();
         if role.lines().next().is_some_and(|r| r != "master") {
             let mut state = history.lock();
