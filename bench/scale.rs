@@ -78,6 +78,54 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
+/// The median of `rows`' `field` (the middle one of an odd count, the lower middle of an even).
+fn median<T>(rows: &[T], field: impl Fn(&T) -> f64) -> f64 {
+    let mut values: Vec<f64> = rows.iter().map(field).collect();
+    values.sort_by(f64::total_cmp);
+    values
+        .get(values.len().saturating_sub(1) / 2)
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// `median` of a duration field.
+fn median_time<T>(rows: &[T], field: impl Fn(&T) -> Duration) -> Duration {
+    Duration::from_secs_f64(median(rows, |row| field(row).as_secs_f64()))
+}
+
+/// What was left in Redis after each run, once each distinct answer.
+fn lefts<'a>(all: impl Iterator<Item = &'a str>) -> String {
+    let mut seen: Vec<&str> = Vec::new();
+    for left in all {
+        if !seen.contains(&left) {
+            seen.push(left);
+        }
+    }
+    seen.join(",")
+}
+
+impl Held {
+    /// Each figure the median of `runs`; losses and late renewals the most of any run.
+    fn median_of(runs: &[Held]) -> Held {
+        let late: Vec<Duration> = runs.iter().filter_map(|r| r.late_p99).collect();
+        Held {
+            take: median_time(runs, |r| r.take),
+            client_per_hold: median(runs, |r| r.client_per_hold),
+            server_per_hold: median(runs, |r| r.server_per_hold),
+            renewed: median(runs, |r| r.renewed as f64) as u64,
+            due: runs.iter().map(|r| r.due).max().unwrap_or(0),
+            renewed_per_sec: median(runs, |r| r.renewed_per_sec),
+            due_per_sec: median(runs, |r| r.due_per_sec),
+            late_p99: (!late.is_empty()).then(|| median_time(&late, |d| *d)),
+            late_renewals: runs.iter().map(|r| r.late_renewals).max().unwrap_or(0),
+            lost: runs.iter().map(|r| r.lost).max().unwrap_or(0),
+            server_cpu: median(runs, |r| r.server_cpu),
+            give_back: median_time(runs, |r| r.give_back),
+            left: lefts(runs.iter().map(|r| r.left.as_str())),
+        }
+    }
+}
+
 async fn manager(url: &str) -> LockManager {
     LockManager::builder()
         .redis_url(url)
@@ -190,6 +238,8 @@ struct Held {
     renewed_per_sec: f64,
     due_per_sec: f64,
     late_p99: Option<Duration>,
+    /// Renewals the watchdog itself reported late (`Stats::renewals_late`): each warned of.
+    late_renewals: u64,
     lost: u64,
     server_cpu: f64,
     give_back: Duration,
@@ -219,6 +269,7 @@ async fn held(
         renewed_per_sec: 0.0,
         due_per_sec: 0.0,
         late_p99: None,
+        late_renewals: 0,
         lost: 0,
         server_cpu: 0.0,
         give_back: Duration::ZERO,
@@ -257,6 +308,7 @@ async fn held(
         let after = locks.stats();
         row.server_cpu = (harness::server_cpu(server) - cpu).as_secs_f64() / elapsed;
         row.renewed = after.leases_renewed - before.leases_renewed;
+        row.late_renewals = after.renewals_late - before.renewals_late;
         row.due = n as u64 * u64::from(rounds);
         row.renewed_per_sec = row.renewed as f64 / elapsed;
         row.due_per_sec = n as f64 / interval.as_secs_f64();
@@ -285,6 +337,23 @@ struct Waiting {
     entry_p99: Duration,
     drained: Duration,
     left: String,
+}
+
+impl Waiting {
+    /// Each figure the median of `runs`.
+    fn median_of(runs: &[Waiting]) -> Waiting {
+        Waiting {
+            client_per_waiter: median(runs, |r| r.client_per_waiter),
+            channels: median(runs, |r| r.channels as f64) as usize,
+            subscribers: median(runs, |r| r.subscribers as f64) as u64,
+            quiet_per_sec: median(runs, |r| r.quiet_per_sec),
+            quiet_per_key: median(runs, |r| r.quiet_per_key),
+            entry_p50: median_time(runs, |r| r.entry_p50),
+            entry_p99: median_time(runs, |r| r.entry_p99),
+            drained: median_time(runs, |r| r.drained),
+            left: lefts(runs.iter().map(|r| r.left.as_str())),
+        }
+    }
 }
 
 async fn waiting(server: &RedisServer, url: &str, n: usize, quiet: Duration) -> Waiting {
@@ -388,6 +457,20 @@ struct Managers {
     left: String,
 }
 
+impl Managers {
+    /// Each figure the median of `runs`.
+    fn median_of(runs: &[Managers]) -> Managers {
+        Managers {
+            connections: median(runs, |r| r.connections),
+            channels: median(runs, |r| r.channels as f64) as usize,
+            subscribers: median(runs, |r| r.subscribers as f64) as u64,
+            entries_per_sec: median(runs, |r| r.entries_per_sec),
+            memory_per_manager: median(runs, |r| r.memory_per_manager),
+            left: lefts(runs.iter().map(|r| r.left.as_str())),
+        }
+    }
+}
+
 async fn managers(server: &RedisServer, url: &str, m: usize, run: Duration) -> Managers {
     const KEYS: usize = 1_000;
     let clients = info(server, "clients", "connected_clients");
@@ -461,6 +544,16 @@ pub(crate) async fn run(args: &[String], quick: bool) -> Result<(), Box<dyn std:
         None if quick => 10_000,
         None => 100_000,
     };
+    // Each row is the median of this many runs (one with `--quick`).
+    let runs: usize = match args.iter().position(|a| a == "--runs") {
+        Some(at) => args
+            .get(at + 1)
+            .and_then(|n| n.parse().ok())
+            .filter(|&n| n > 0)
+            .ok_or("--runs needs a positive number, such as `--runs 3`")?,
+        None if quick => 1,
+        None => 3,
+    };
     let sizes: Vec<usize> = [1_000, 10_000, 100_000]
         .into_iter()
         .filter(|&n| n <= max)
@@ -475,19 +568,22 @@ pub(crate) async fn run(args: &[String], quick: bool) -> Result<(), Box<dyn std:
     let url = server.url();
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
-        "distlock scale: {} on loopback, {cores} cores shared by client and server{}\n",
+        "distlock scale: {} on loopback, {cores} cores shared by client and server{}; each row \
+         the median of {runs} run{} (lost and late: the most of any run)\n",
         harness::server_version(&server),
-        if quick { ", quick" } else { "" }
+        if quick { ", quick" } else { "" },
+        if runs == 1 { "" } else { "s" }
     );
 
     println!(
         "held locks (one manager, {TAKERS} tasks taking them): with `watchdog`, held for \
          {rounds_30} renewal rounds at ttl 30 s, {rounds_3} at ttl 3 s (a round: a third of the \
          ttl); renewed/due: leases renewed in those rounds, of those due; late p99: of the \
-         renewal interval, sampled at a twentieth of it (so at least 5%)"
+         renewal interval, sampled at a twentieth of it (so at least 5%); warned: renewals the \
+         watchdog sent with less than half of their lease left, which it logs a warning for"
     );
     println!(
-        "{:>5} {:>5} {:>10} {:>6} {:>10} {:>10} {:>10} {:>30} {:>9} {:>5} {:>7} {:>8} {:>5}",
+        "{:>5} {:>5} {:>10} {:>6} {:>10} {:>10} {:>10} {:>30} {:>9} {:>7} {:>5} {:>7} {:>8} {:>5}",
         "held",
         "ttl",
         "taken/s",
@@ -497,17 +593,24 @@ pub(crate) async fn run(args: &[String], quick: bool) -> Result<(), Box<dyn std:
         "floor",
         "renewed/due, per s",
         "late p99",
+        "warned",
         "lost",
         "srv cpu",
         "give back",
         "left"
     );
     for &n in &sizes {
-        let bare = floor(&server, &url, n).await;
-        let plain = held(&server, &url, n, Duration::from_secs(30), None).await;
+        let mut floors = Vec::new();
+        let mut plains = Vec::new();
+        for _ in 0..runs {
+            floors.push(floor(&server, &url, n).await);
+            plains.push(held(&server, &url, n, Duration::from_secs(30), None).await);
+        }
+        let bare = median(&floors, |f| *f);
+        let plain = Held::median_of(&plains);
         let plain_rate = n as f64 / plain.take.as_secs_f64();
         println!(
-            "{:>5} {:>5} {:>10.0} {:>6} {:>10} {:>10} {:>10} {:>30} {:>9} {:>5} {:>7} {:>8.2?} {:>5}",
+            "{:>5} {:>5} {:>10.0} {:>6} {:>10} {:>10} {:>10} {:>30} {:>9} {:>7} {:>5} {:>7} {:>8.2?} {:>5}",
             thousands(n),
             "no wd",
             plain_rate,
@@ -519,16 +622,21 @@ pub(crate) async fn run(args: &[String], quick: bool) -> Result<(), Box<dyn std:
             "",
             "",
             "",
+            "",
             plain.give_back,
             plain.left
         );
         for (ttl, rounds) in [(30, rounds_30), (3, rounds_3)] {
             let ttl = Duration::from_secs(ttl);
-            let h = held(&server, &url, n, ttl, Some(rounds)).await;
+            let mut all = Vec::new();
+            for _ in 0..runs {
+                all.push(held(&server, &url, n, ttl, Some(rounds)).await);
+            }
+            let h = Held::median_of(&all);
             let rate = n as f64 / h.take.as_secs_f64();
             let interval = ttl / 3;
             println!(
-                "{:>5} {:>5} {:>10.0} {:>5.2}x {:>10} {:>10} {:>10} {:>30} {:>9} {:>5} {:>6.1}% {:>8.2?} {:>5}",
+                "{:>5} {:>5} {:>10.0} {:>5.2}x {:>10} {:>10} {:>10} {:>30} {:>9} {:>7} {:>5} {:>6.1}% {:>8.2?} {:>5}",
                 thousands(n),
                 format!("{}s", ttl.as_secs()),
                 rate,
@@ -544,6 +652,7 @@ pub(crate) async fn run(args: &[String], quick: bool) -> Result<(), Box<dyn std:
                     "{:.1}%",
                     late.as_secs_f64() * 100.0 / interval.as_secs_f64()
                 )),
+                h.late_renewals,
                 h.lost,
                 h.server_cpu * 100.0,
                 h.give_back,
@@ -573,7 +682,11 @@ pub(crate) async fn run(args: &[String], quick: bool) -> Result<(), Box<dyn std:
         "left"
     );
     for &n in &sizes {
-        let w = waiting(&server, &url, n, quiet).await;
+        let mut all = Vec::new();
+        for _ in 0..runs {
+            all.push(waiting(&server, &url, n, quiet).await);
+        }
+        let w = Waiting::median_of(&all);
         println!(
             "{:>7} {:>6} {:>11} {:>9} {:>6} {:>9.1} {:>13.4} {:>10.2?} {:>10.2?} {:>9.2?} {:>5}",
             thousands(n),
@@ -599,7 +712,11 @@ pub(crate) async fn run(args: &[String], quick: bool) -> Result<(), Box<dyn std:
         "managers", "conns/manager", "channels", "subs", "entries/s", "memory/mgr", "left"
     );
     for m in [1, 8, 32] {
-        let r = managers(&server, &url, m, run).await;
+        let mut all = Vec::new();
+        for _ in 0..runs {
+            all.push(managers(&server, &url, m, run).await);
+        }
+        let r = Managers::median_of(&all);
         println!(
             "{m:>8} {:>14.2} {:>9} {:>6} {:>10.0} {:>12} {:>5}",
             r.connections,
@@ -624,13 +741,22 @@ pub(crate) async fn run(args: &[String], quick: bool) -> Result<(), Box<dyn std:
         .build()
         .await?;
     let single = manager(&url).await;
-    let [one, three] = harness::in_turns(run, async |workload, slice| {
-        let locks = if workload == 0 { &single } else { &on_cluster };
-        harness::uncontended(&harness::Manual(locks.clone()), 64, slice)
-            .await
-            .rate()
-    })
-    .await;
+    let mut pairs = Vec::new();
+    for _ in 0..runs {
+        pairs.push(
+            harness::in_turns(run, async |workload, slice| {
+                let locks = if workload == 0 { &single } else { &on_cluster };
+                harness::uncontended(&harness::Manual(locks.clone()), 64, slice)
+                    .await
+                    .rate()
+            })
+            .await,
+        );
+    }
+    let (one, three) = (
+        median(&pairs, |p: &[f64; 2]| p[0]),
+        median(&pairs, |p: &[f64; 2]| p[1]),
+    );
     let mut cluster_left = Vec::new();
     for master in &cluster {
         cluster_left.push(left(master).await);
