@@ -42,8 +42,9 @@ tokio::task_local! {
 /// is released or dropped.
 #[derive(Debug)]
 pub(crate) struct Held {
-    /// Which manager (its shared state's address): the same key on two managers is two locks.
-    pub(crate) manager: usize,
+    /// Which manager ([`Inner::addr`](crate::manager::Inner::addr)): the same key on two
+    /// managers is two locks.
+    pub(crate) manager_addr: usize,
     pub(crate) reentrant: bool,
     pub(crate) kind: Kind,
     /// What names the hold on the server, for the release of the last guard.
@@ -99,27 +100,28 @@ pub(crate) enum Kind {
     Permit,
 }
 
-/// The lock `lock` of `manager` visible in the current frame, if any.
-pub(crate) fn find(manager: usize, lock: &str) -> Option<Arc<Held>> {
+/// The lock `lock` of the manager at `manager_addr` visible in the current frame, if any.
+pub(crate) fn find(manager_addr: usize, lock: &str) -> Option<Arc<Held>> {
     FRAME
         .try_with(|held| {
             held.borrow()
                 .iter()
                 .filter_map(Weak::upgrade)
-                .find(|h| h.manager == manager && h.ids.lock == lock)
+                .find(|h| h.manager_addr == manager_addr && h.ids.lock == lock)
         })
         .ok()
         .flatten()
 }
 
-/// How many holds of `lock` of `manager` the current frame sees (several permits, say).
-pub(crate) fn count(manager: usize, lock: &str) -> usize {
+/// How many holds of `lock` of the manager at `manager_addr` the current frame sees
+/// (several permits, say).
+pub(crate) fn count(manager_addr: usize, lock: &str) -> usize {
     FRAME
         .try_with(|held| {
             held.borrow()
                 .iter()
                 .filter_map(Weak::upgrade)
-                .filter(|h| h.manager == manager && h.ids.lock == lock)
+                .filter(|h| h.manager_addr == manager_addr && h.ids.lock == lock)
                 .count()
         })
         .unwrap_or(0)

@@ -67,7 +67,6 @@ mod driver;
 mod duration;
 mod election;
 mod engine;
-mod env;
 mod error;
 mod guard;
 mod holds;

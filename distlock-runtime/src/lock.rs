@@ -97,9 +97,9 @@ fn ask(manager: &LockManager, mut plan: Plan<Keys>) -> Result<Asking, LockError>
         // The task already owns the lock: counted here, no round trip.
         return Ok(Asking::Nested(Box::new(nested(manager, plan, held))));
     }
-    let tag = manager.inner.waiters.tag();
-    let token = new_token(tag);
-    let (shape, kind) = shape_of(&plan, &token, tag);
+    let manager_id = manager.inner.waiters.manager_id();
+    let token = new_token(manager_id);
+    let (shape, kind) = shape_of(&plan, &token, manager_id);
     // The lock key moves into the request (and on into the hold): nothing reads it from the
     // plan from here on.
     let wake = plan.keys.wake();
@@ -182,8 +182,8 @@ pub(crate) fn outer_hold(
     kind: RequestKind,
     plan: &Plan<Keys>,
 ) -> Result<Option<Arc<Held>>, LockError> {
-    let manager_id = Arc::as_ptr(&manager.inner) as usize;
-    let Some(held) = context::find(manager_id, &plan.keys.lock) else {
+    let manager_addr = manager.inner.addr();
+    let Some(held) = context::find(manager_addr, &plan.keys.lock) else {
         return Ok(None);
     };
     let key = || plan.keys.name.clone();
@@ -202,7 +202,7 @@ pub(crate) fn outer_hold(
         // permit: it would wait for itself. Anything else on the key would wait for this
         // task's own lock.
         RequestKind::Permits(permits) if held.kind == Kind::Permit => {
-            if context::count(manager_id, &plan.keys.lock) < permits as usize {
+            if context::count(manager_addr, &plan.keys.lock) < permits as usize {
                 return Ok(None);
             }
             false
@@ -397,7 +397,7 @@ impl Held {
     ) -> Arc<Self> {
         let (fence, keep_until, passes) = start;
         let held = Arc::new(Held {
-            manager: Arc::as_ptr(inner) as usize,
+            manager_addr: inner.addr(),
             reentrant: plan.options.reentrant,
             kind,
             ids,
@@ -511,14 +511,14 @@ impl Ask for Arc<AcquireRequest> {
 }
 
 /// The script shape and context kind of a first (or shared) hold of `kind` for `token`.
-fn shape_of(plan: &Plan<Keys>, token: &str, tag: &str) -> (Shape, Kind) {
+fn shape_of(plan: &Plan<Keys>, token: &str, manager_id: &str) -> (Shape, Kind) {
     let share = || plan.keys.share(token);
     let intent = || plan.keys.write_intent();
     match plan.kind {
         // Checked by `plan`: exclusive, without fencing or min_hold.
         RequestKind::Exclusive if plan.options.fair => {
             let shape = Shape::Fair {
-                queue: crate::backend::FairQueue::new(&plan.keys.lock, tag, plan.ttl, token),
+                queue: crate::backend::FairQueue::new(&plan.keys.lock, manager_id, plan.ttl, token),
                 join: plan.retries > 0,
             };
             (shape, Kind::Exclusive)

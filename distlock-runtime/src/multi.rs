@@ -99,7 +99,7 @@ async fn take_set(manager: &LockManager, plan: Plan<Vec<Keys>>) -> Result<MultiG
                 wake: k.wake(),
             })
             .collect(),
-        token: new_token(inner.waiters.tag()),
+        token: new_token(inner.waiters.manager_id()),
         lease: plan.ttl,
         fencing: plan.options.fencing,
     };

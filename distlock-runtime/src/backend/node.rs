@@ -66,8 +66,8 @@ impl std::fmt::Debug for Node {
 }
 
 impl Node {
-    /// A node for `url`; nothing is sent until it is used.
-    pub(crate) fn new(url: &str, options: ConnectOptions) -> RedisResult<Self> {
+    /// A node for the one server at `url`; nothing is sent until it is used.
+    pub(crate) fn server(url: &str, options: ConnectOptions) -> RedisResult<Self> {
         Self::with(url, options, Route::Server)
     }
 
@@ -372,7 +372,7 @@ impl Node {
                     wake: &req.wake,
                     token: &req.token,
                     entry: &queue.entry,
-                    tag: &self.pool.tag,
+                    manager_id: &self.pool.manager_id,
                     unclaimed: FAIR_UNCLAIMED,
                     op: scripts::FairOp::Take {
                         lease: req.lease,
@@ -542,7 +542,7 @@ impl Node {
             wake: &ids.wake,
             token: &ids.token,
             entry: &fair.entry,
-            tag: &self.pool.tag,
+            manager_id: &self.pool.manager_id,
             unclaimed: FAIR_UNCLAIMED,
             op: scripts::FairOp::Release,
         }
@@ -574,7 +574,7 @@ impl Node {
         ids: &HoldIds,
         keep: Duration,
     ) -> RedisResult<Option<u64>> {
-        let message = &*self.pool.tag;
+        let message = &*self.pool.manager_id;
         let delete = match self.delete() {
             // One script: compare, delete (or leave the ownerless `min_hold` marker, which
             // only the script can), publish.

@@ -30,7 +30,7 @@ impl RedLock {
     pub(super) async fn connect(urls: &[String], options: ConnectOptions) -> RedisResult<Self> {
         let nodes = urls
             .iter()
-            .map(|url| Node::new(url, options.clone()))
+            .map(|url| Node::server(url, options.clone()))
             .collect::<RedisResult<Vec<_>>>()?;
         let quorum = majority_of(nodes.len());
         let loaded = join_all(nodes.iter().map(Node::load_scripts)).await;
