@@ -23,15 +23,6 @@ use std::time::Instant;
 use crate::backend::HoldIds;
 use crate::lease::LeaseState;
 
-/// Which kind of lock a request is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum RequestKind {
-    Exclusive,
-    Read,
-    Write,
-    Permits(u32),
-}
-
 tokio::task_local! {
     static FRAME: RefCell<Vec<Weak<Held>>>;
 }
@@ -46,7 +37,7 @@ pub(crate) struct Held {
     /// managers is two locks.
     pub(crate) manager_addr: usize,
     pub(crate) reentrant: bool,
-    pub(crate) kind: Kind,
+    pub(crate) kind: HoldKind,
     /// What names the hold on the server, for the release of the last guard.
     pub(crate) ids: Arc<HoldIds>,
     /// The fencing token drawn by the first hold (0 without fencing).
@@ -89,9 +80,12 @@ impl Held {
     }
 }
 
-/// What sort of hold a context entry is.
+/// What a hold in the context holds, which decides what a later request of the same task
+/// may nest in it. Not what the request asked for ([`RequestKind`](crate::request::RequestKind),
+/// which tells a write lock from an exclusive one and counts permits): see
+/// [`RequestKind::hold_kind`](crate::request::RequestKind::hold_kind).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
+pub(crate) enum HoldKind {
     /// An exclusive lock, or the write side of a read-write lock.
     Exclusive,
     /// The read side of a read-write lock.
