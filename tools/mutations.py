@@ -83,8 +83,8 @@ MUTATIONS = [
      [(RT + "engine.rs", "            self.ask.intent().is_some() && matches!(reply, None | Some(Reply::Busy { .. }));",
        "            false && matches!(reply, None | Some(Reply::Busy { .. }));")]),
     ("waiters: a hand-off whose taker is gone is not released", "liveness",
-     [(RT + "waiters.rs", "        if let Some((releaser, ids)) = self.unclaimed.take() {\n            releaser.in_background(ids, None);",
-       "        if let Some((_releaser, _ids)) = self.unclaimed.take() {")]),
+     [(RT + "waiters.rs", "                None => releaser.in_background(ids, None),",
+       "                None => drop((releaser, ids)),")]),
     ("waiters: a leaving head does not tell the next one", "waiting",
      [(RT + "waiters.rs", "                next.turn.notify_one();", "                let _ = next;")]),
     # Every wake-up (a release by this manager, or one heard on the wake channel) goes through

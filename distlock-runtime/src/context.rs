@@ -23,15 +23,6 @@ use std::time::Instant;
 use crate::backend::HoldIds;
 use crate::lease::LeaseState;
 
-/// Which kind of lock a request is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum RequestKind {
-    Exclusive,
-    Read,
-    Write,
-    Permits(u32),
-}
-
 tokio::task_local! {
     static FRAME: RefCell<Vec<Weak<Held>>>;
 }
@@ -42,10 +33,11 @@ tokio::task_local! {
 /// is released or dropped.
 #[derive(Debug)]
 pub(crate) struct Held {
-    /// Which manager (its shared state's address): the same key on two managers is two locks.
-    pub(crate) manager: usize,
+    /// Which manager ([`Inner::addr`](crate::manager::Inner::addr)): the same key on two
+    /// managers is two locks.
+    pub(crate) manager_addr: usize,
     pub(crate) reentrant: bool,
-    pub(crate) kind: Kind,
+    pub(crate) kind: HoldKind,
     /// What names the hold on the server, for the release of the last guard.
     pub(crate) ids: Arc<HoldIds>,
     /// The fencing token drawn by the first hold (0 without fencing).
@@ -88,9 +80,12 @@ impl Held {
     }
 }
 
-/// What sort of hold a context entry is.
+/// What a hold in the context holds, which decides what a later request of the same task
+/// may nest in it. Not what the request asked for ([`RequestKind`](crate::request::RequestKind),
+/// which tells a write lock from an exclusive one and counts permits): see
+/// [`RequestKind::hold_kind`](crate::request::RequestKind::hold_kind).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
+pub(crate) enum HoldKind {
     /// An exclusive lock, or the write side of a read-write lock.
     Exclusive,
     /// The read side of a read-write lock.
@@ -99,27 +94,28 @@ pub(crate) enum Kind {
     Permit,
 }
 
-/// The lock `lock` of `manager` visible in the current frame, if any.
-pub(crate) fn find(manager: usize, lock: &str) -> Option<Arc<Held>> {
+/// The lock `lock` of the manager at `manager_addr` visible in the current frame, if any.
+pub(crate) fn find(manager_addr: usize, lock: &str) -> Option<Arc<Held>> {
     FRAME
         .try_with(|held| {
             held.borrow()
                 .iter()
                 .filter_map(Weak::upgrade)
-                .find(|h| h.manager == manager && h.ids.lock == lock)
+                .find(|h| h.manager_addr == manager_addr && h.ids.lock == lock)
         })
         .ok()
         .flatten()
 }
 
-/// How many holds of `lock` of `manager` the current frame sees (several permits, say).
-pub(crate) fn count(manager: usize, lock: &str) -> usize {
+/// How many holds of `lock` of the manager at `manager_addr` the current frame sees
+/// (several permits, say).
+pub(crate) fn count(manager_addr: usize, lock: &str) -> usize {
     FRAME
         .try_with(|held| {
             held.borrow()
                 .iter()
                 .filter_map(Weak::upgrade)
-                .filter(|h| h.manager == manager && h.ids.lock == lock)
+                .filter(|h| h.manager_addr == manager_addr && h.ids.lock == lock)
                 .count()
         })
         .unwrap_or(0)

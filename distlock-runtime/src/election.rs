@@ -9,14 +9,18 @@
 
 use std::fmt;
 use std::future::Future;
+use std::ops::ControlFlow;
 use std::pin::Pin;
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::StreamExt;
+use redis::aio::PubSub;
 use tokio::sync::mpsc;
 
+use crate::backend::Backend;
+use crate::identity::Registry;
 use crate::key::Keys;
 use crate::manager::Inner;
 use crate::{HolderIdentity, LockError, LockGuard, LockManager};
@@ -614,51 +618,96 @@ async fn follow(
     channel: String,
     changes: mpsc::UnboundedSender<LeaderChange>,
 ) {
-    let mut seen = Seen::default();
-    let mut pause = Duration::from_millis(50);
     let Some((backend, registry)) = inner
         .upgrade()
         .map(|inner| (inner.backend.clone(), Arc::clone(&inner.registry)))
     else {
         return;
     };
+    let mut follower = Follower {
+        inner,
+        lock_name,
+        channel,
+        changes,
+        backend,
+        registry,
+        seen: Seen::default(),
+    };
+    let mut pause = Duration::from_millis(50);
     loop {
-        if stopped(&inner) || changes.is_closed() {
+        if stopped(&follower.inner) || follower.changes.is_closed() {
             return;
         }
+        let (pubsub, now) = match follower.subscribe().await {
+            Subscribed::Stop => return,
+            Subscribed::Failed => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+                continue;
+            }
+            Subscribed::Ready(pubsub, now) => (pubsub, now),
+        };
+        pause = Duration::from_millis(50);
+        let change = follower.seen.change(now, true);
+        if follower.tell(change).is_break() || follower.listen(pubsub).await.is_break() {
+            return;
+        }
+        // The connection ended: subscribe again and read the state.
+    }
+}
+
+/// An observer's task and what it knows.
+struct Follower {
+    inner: Weak<Inner>,
+    lock_name: String,
+    channel: String,
+    changes: mpsc::UnboundedSender<LeaderChange>,
+    backend: Backend,
+    registry: Arc<Registry>,
+    seen: Seen,
+}
+
+/// How an observer's subscription went.
+enum Subscribed {
+    /// Subscribed, and the state read since.
+    Ready(PubSub, Option<LeaderInfo>),
+    /// Not now: try again after a pause.
+    Failed,
+    /// The manager is gone or shut down.
+    Stop,
+}
+
+impl Follower {
+    /// Subscribes to the announcements, then reads the state: a change between the two is
+    /// heard, not missed.
+    async fn subscribe(&self) -> Subscribed {
         let subscribed = tokio::time::timeout(SUBSCRIBE_BOUND, async {
-            let mut pubsub = backend.pubsub().await?;
-            pubsub.subscribe(&channel).await?;
+            let mut pubsub = self.backend.pubsub().await?;
+            pubsub.subscribe(&self.channel).await?;
             Ok::<_, redis::RedisError>(pubsub)
         })
         .await;
-        // Subscribed before reading: a change between the two is heard, not missed.
-        let now = match subscribed {
-            Ok(Ok(pubsub)) => match look(&inner, &lock_name).await {
-                None => return,
-                Some(Ok(now)) => Some((pubsub, now)),
+        match subscribed {
+            Ok(Ok(pubsub)) => match look(&self.inner, &self.lock_name).await {
+                None => Subscribed::Stop,
+                Some(Ok(now)) => Subscribed::Ready(pubsub, now),
                 Some(Err(error)) => {
                     tracing::debug!(%error, "an election observer could not read the leader");
-                    None
+                    Subscribed::Failed
                 }
             },
             Ok(Err(error)) => {
                 tracing::debug!(%error, "an election observer could not subscribe");
-                None
+                Subscribed::Failed
             }
-            Err(_) => None,
-        };
-        let Some((mut pubsub, now)) = now else {
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_secs(2));
-            continue;
-        };
-        pause = Duration::from_millis(50);
-        if let Some(change) = seen.change(now, true)
-            && changes.send(change).is_err()
-        {
-            return;
+            Err(_) => Subscribed::Failed,
         }
+    }
+
+    /// Follows the announcements on `pubsub`, and looks at the state itself every
+    /// [`LOOK_AGAIN`]. `Continue` when the connection ended or a look failed (subscribe and
+    /// read again), `Break` when the observer should stop.
+    async fn listen(&mut self, mut pubsub: PubSub) -> ControlFlow<()> {
         let mut messages = pubsub.on_message();
         let mut check = tokio::time::interval(CHECK);
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -666,57 +715,68 @@ async fn follow(
         loop {
             let message = tokio::select! {
                 message = messages.next() => message,
-                () = changes.closed() => return,
+                () = self.changes.closed() => return ControlFlow::Break(()),
                 _ = check.tick() => {
-                    if stopped(&inner) {
-                        return;
+                    if stopped(&self.inner) {
+                        return ControlFlow::Break(());
                     }
                     if looked.elapsed() < LOOK_AGAIN {
                         continue;
                     }
                     looked = tokio::time::Instant::now();
-                    match look(&inner, &lock_name).await {
-                        None => return,
+                    match look(&self.inner, &self.lock_name).await {
+                        None => return ControlFlow::Break(()),
                         Some(Ok(now)) => {
-                            if let Some(change) = seen.change(now, true)
-                                && changes.send(change).is_err()
-                            {
-                                return;
-                            }
+                            let change = self.seen.change(now, true);
+                            self.tell(change)?;
                             continue;
                         }
                         // Subscribe and read again.
-                        Some(Err(_)) => break,
+                        Some(Err(_)) => return ControlFlow::Continue(()),
                     }
                 }
             };
-            let Some(message) = message else { break };
+            let Some(message) = message else {
+                return ControlFlow::Continue(());
+            };
             let Ok(text) = message.get_payload::<String>() else {
                 continue;
             };
-            let change = match News::decode(&text) {
-                Some(News::Elected { term, token, since }) => {
-                    let identity = registry.lookup(&backend, &token).await.ok().flatten();
-                    seen.change(
-                        Some(LeaderInfo {
-                            term,
-                            token,
-                            identity,
-                            since: UNIX_EPOCH.checked_add(Duration::from_millis(since)),
-                        }),
-                        false,
-                    )
-                }
-                Some(News::Resigned { token, .. }) => seen.resigned(&token),
-                None => None,
-            };
-            if let Some(change) = change
-                && changes.send(change).is_err()
-            {
-                return;
-            }
+            let change = self.news(&text).await;
+            self.tell(change)?;
         }
-        // The connection ended: subscribe again and read the state.
+    }
+
+    /// What an announcement changes, if anything.
+    async fn news(&mut self, text: &str) -> Option<LeaderChange> {
+        match News::decode(text) {
+            Some(News::Elected { term, token, since }) => {
+                let identity = (self.registry.lookup(&self.backend, &token).await)
+                    .ok()
+                    .flatten();
+                self.seen.change(
+                    Some(LeaderInfo {
+                        term,
+                        token,
+                        identity,
+                        since: UNIX_EPOCH.checked_add(Duration::from_millis(since)),
+                    }),
+                    false,
+                )
+            }
+            Some(News::Resigned { token, .. }) => self.seen.resigned(&token),
+            None => None,
+        }
+    }
+
+    /// Passes `change` on, if any: `Break` when nobody observes any more.
+    fn tell(&self, change: Option<LeaderChange>) -> ControlFlow<()> {
+        if let Some(change) = change
+            && self.changes.send(change).is_err()
+        {
+            return ControlFlow::Break(());
+        }
+        ControlFlow::Continue(())
     }
 }
 

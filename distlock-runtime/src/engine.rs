@@ -16,12 +16,12 @@ use tokio::sync::oneshot;
 
 use crate::LockError;
 use crate::backend::FAIR_REFRESH;
-use crate::context::RequestKind;
 use crate::decide::{self, Answer, Bounds, Holder, Step};
 use crate::key::Keys;
 use crate::manager::Inner;
 use crate::metrics::Labels;
 use crate::request::Plan;
+use crate::request::RequestKind;
 use crate::retry::Backoff;
 use crate::waiters::Handed;
 use crate::waiters::Ticket;

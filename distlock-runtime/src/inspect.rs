@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use redis::Value;
 
+use crate::backend::Node;
 use crate::key::{Keys, lock_key};
 use crate::{LockError, LockManager};
 
@@ -158,7 +159,6 @@ impl LockManager {
 async fn read(locks: &LockManager, keys: &Keys) -> Result<Option<LockInfo>, LockError> {
     let node = locks.inner.backend.inspected();
     let failed = |e| LockError::redis(&keys.name, e);
-    let ttl_of = |millis: i64| u64::try_from(millis).ok().map(Duration::from_millis);
     let form: String = node
         .query(redis::cmd("TYPE").arg(&keys.lock))
         .await
@@ -182,82 +182,109 @@ async fn read(locks: &LockManager, keys: &Keys) -> Result<Option<LockInfo>, Lock
     };
     match form.as_str() {
         "none" => return Ok(None),
-        "string" => {
-            let token: Option<String> = node
-                .query(redis::cmd("GET").arg(&keys.lock))
-                .await
-                .map_err(failed)?;
-            info.kind = LockKind::Exclusive;
-            info.holders.extend(token.map(|token| Holder {
-                token,
-                holds: 1,
-                ttl: info.ttl,
-                fence: None,
-                identity: None,
-            }));
-        }
-        "hash" => {
-            let fields: Vec<(String, Value)> = node
-                .query(redis::cmd("HGETALL").arg(&keys.lock))
-                .await
-                .map_err(failed)?;
-            let text = |v: &Value| redis::from_redis_value::<String>(v.clone()).ok();
-            let field = |name: &str| {
-                fields
-                    .iter()
-                    .find(|(f, _)| f == name)
-                    .and_then(|(_, v)| text(v))
-            };
-            info.kind = match field("mode").as_deref() {
-                None => LockKind::Exclusive,
-                Some("write") => LockKind::Write,
-                Some("read") => LockKind::Read,
-                Some("permits") => LockKind::Semaphore,
-                Some("min_hold") => LockKind::MinHold,
-                Some(_) => LockKind::Foreign,
-            };
-            info.permits = field("permits").and_then(|n| n.parse().ok());
-            let shared = matches!(info.kind, LockKind::Read | LockKind::Semaphore);
-            for (name, value) in &fields {
-                if matches!(name.as_str(), "mode" | "permits" | "fence" | "min_hold")
-                    || name.starts_with("h:")
-                {
-                    continue;
-                }
-                let holds = text(value).and_then(|n| n.parse().ok()).unwrap_or(1);
-                let mut holder = Holder {
-                    token: name.clone(),
-                    holds,
-                    ttl: info.ttl,
-                    fence: field("fence").and_then(|f| f.parse().ok()),
-                    identity: None,
-                };
-                if shared {
-                    // A share's lease is its own key, whose value is its fencing token.
-                    let share = keys.share(name);
-                    let left: i64 = node
-                        .query(redis::cmd("PTTL").arg(&share))
-                        .await
-                        .map_err(failed)?;
-                    if left == -2 {
-                        continue; // ended: that reader is gone
-                    }
-                    holder.ttl = ttl_of(left);
-                    let fence: Option<u64> = node
-                        .query(redis::cmd("GET").arg(&share))
-                        .await
-                        .map_err(failed)?;
-                    holder.fence = fence.filter(|f| *f > 0);
-                }
-                info.holders.push(holder);
-            }
-        }
+        "string" => read_string(node, keys, &mut info).await?,
+        "hash" => read_hash(node, keys, &mut info).await?,
         _ => {}
     }
+    name_holders(locks, &mut info.holders).await;
+    Ok(Some(info))
+}
+
+/// A key's or a share's `PTTL` as a duration (`None`: no expiry, or no key).
+fn ttl_of(millis: i64) -> Option<Duration> {
+    u64::try_from(millis).ok().map(Duration::from_millis)
+}
+
+/// A plain exclusive lock: its value is the holder's token.
+async fn read_string(node: &Node, keys: &Keys, info: &mut LockInfo) -> Result<(), LockError> {
+    let token: Option<String> = node
+        .query(redis::cmd("GET").arg(&keys.lock))
+        .await
+        .map_err(|e| LockError::redis(&keys.name, e))?;
+    info.kind = LockKind::Exclusive;
+    info.holders.extend(token.map(|token| Holder {
+        token,
+        holds: 1,
+        ttl: info.ttl,
+        fence: None,
+        identity: None,
+    }));
+    Ok(())
+}
+
+/// Every other kind: a hash of its mode, its permits, its fencing token and its holders'
+/// tokens (each with its count of holds).
+async fn read_hash(node: &Node, keys: &Keys, info: &mut LockInfo) -> Result<(), LockError> {
+    let fields: Vec<(String, Value)> = node
+        .query(redis::cmd("HGETALL").arg(&keys.lock))
+        .await
+        .map_err(|e| LockError::redis(&keys.name, e))?;
+    let text = |v: &Value| redis::from_redis_value::<String>(v.clone()).ok();
+    let field = |name: &str| {
+        fields
+            .iter()
+            .find(|(f, _)| f == name)
+            .and_then(|(_, v)| text(v))
+    };
+    info.kind = match field("mode").as_deref() {
+        None => LockKind::Exclusive,
+        Some("write") => LockKind::Write,
+        Some("read") => LockKind::Read,
+        Some("permits") => LockKind::Semaphore,
+        Some("min_hold") => LockKind::MinHold,
+        Some(_) => LockKind::Foreign,
+    };
+    info.permits = field("permits").and_then(|n| n.parse().ok());
+    let shared = matches!(info.kind, LockKind::Read | LockKind::Semaphore);
+    for (name, value) in &fields {
+        if matches!(name.as_str(), "mode" | "permits" | "fence" | "min_hold")
+            || name.starts_with("h:")
+        {
+            continue;
+        }
+        let holds = text(value).and_then(|n| n.parse().ok()).unwrap_or(1);
+        let mut holder = Holder {
+            token: name.clone(),
+            holds,
+            ttl: info.ttl,
+            fence: field("fence").and_then(|f| f.parse().ok()),
+            identity: None,
+        };
+        if shared && !read_share(node, keys, &mut holder).await? {
+            continue; // ended: that reader is gone
+        }
+        info.holders.push(holder);
+    }
+    Ok(())
+}
+
+/// A share's lease is its own key, whose value is its fencing token: reads both into
+/// `holder`. `false` when the share has ended.
+async fn read_share(node: &Node, keys: &Keys, holder: &mut Holder) -> Result<bool, LockError> {
+    let failed = |e| LockError::redis(&keys.name, e);
+    let share = keys.share(&holder.token);
+    let left: i64 = node
+        .query(redis::cmd("PTTL").arg(&share))
+        .await
+        .map_err(failed)?;
+    if left == -2 {
+        return Ok(false);
+    }
+    holder.ttl = ttl_of(left);
+    let fence: Option<u64> = node
+        .query(redis::cmd("GET").arg(&share))
+        .await
+        .map_err(failed)?;
+    holder.fence = fence.filter(|f| *f > 0);
+    Ok(true)
+}
+
+/// Names each holder from the registration of the manager its token names. Best effort: a
+/// registration that cannot be read (an ACL user without the rule for it, say) leaves the
+/// holder unnamed rather than failing the whole read.
+async fn name_holders(locks: &LockManager, holders: &mut [Holder]) {
     let inner = &locks.inner;
-    // Best effort: a registration that cannot be read (an ACL user without the rule for
-    // it, say) leaves the holder unnamed rather than failing the whole read.
-    for holder in &mut info.holders {
+    for holder in holders {
         holder.identity = inner
             .registry
             .lookup(&inner.backend, &holder.token)
@@ -265,7 +292,6 @@ async fn read(locks: &LockManager, keys: &Keys) -> Result<Option<LockInfo>, Lock
             .ok()
             .flatten();
     }
-    Ok(Some(info))
 }
 
 /// The lock name behind `key`, if `key` is a lock key (not a companion) under `prefix`.

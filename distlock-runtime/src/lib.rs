@@ -7,9 +7,10 @@
 //! # Safety model
 //!
 //! A lock here is a *lease*: it is held until it is released or until its TTL runs out,
-//! whichever comes first. Every acquisition gets a fresh random owner token; release and
-//! extend compare it inside a Lua script, so a holder whose lease expired can never delete or
-//! extend the lock of the next holder: it learns instead that it had lost the lock.
+//! whichever comes first. Every hold the server grants carries an owner token that no other
+//! owner has; release and extend compare it inside a Lua script, so a holder whose lease
+//! expired can never delete or extend the lock of the next holder: it learns instead that it
+//! had lost the lock.
 //!
 //! On a single Redis server that is not failed over, two holders never hold the same key at
 //! the same time as far as Redis can tell. But a holder can pause (GC, swap, a blocked
@@ -22,8 +23,14 @@
 //! * **lock** — one name under the manager's prefix (`prefix{name}`), whatever kind it is
 //!   taken as; its companion keys (wake channel, fencing counter, shares, intent, queue)
 //!   share its hash tag.
-//! * **owner token** — 128 random-looking bits that name one acquisition context; release,
-//!   extend and renewal compare it on the server.
+//! * **manager id** — 64 random bits, in hex, drawn when a manager is built: they name it on
+//!   the server (its registration, its connections, what its releases of plain locks
+//!   publish) and begin every owner token it makes. Within the process, managers are told
+//!   apart by their address instead.
+//! * **owner token** — 32 hex digits that name one owner: the manager id, then 64 bits that
+//!   count the tokens this process made, so that no two owners anywhere share one. Nested
+//!   holds keep the token of the hold they nest in, and a cohort's run keeps the token of the
+//!   server hold it passes along. Release, extend and renewal compare it on the server.
 //! * **hold** — one acquisition by an owner. Nested acquisitions of the same owner are holds
 //!   of one lock, counted in the process; the lock is given back with the last.
 //! * **share** — the part of a read lock or semaphore one owner has: its own lease key
@@ -38,19 +45,22 @@
 //! * **offer**, **hand-off** — a plain waiter's standing offer to take the lock (its token and
 //!   lease); a release by the same manager swaps the owner to it in its own round trip. Other
 //!   processes are told to stand aside only for a hand-off that landed.
-//! * **run** — consecutive hand-offs within one manager; bounded, then the lock goes to
-//!   everyone.
+//! * **chain** — consecutive hand-offs (and passes) of one key within one manager; bounded in
+//!   number and time, then the lock goes to everyone.
 //! * **intent** — `…:wi`: a waiting writer's mark that keeps new readers out until it gets in,
 //!   or stops waiting and takes the mark back.
 //! * **fencing token** — a per-key counter drawn at each grant (with `fencing`), strictly
 //!   increasing.
 //! * **target**, **plan** — what a request is for (one lock, or a set taken together), and
 //!   the request with every option resolved against the manager's defaults.
-//! * **engine**, **attempt**, **cover** — the one loop that carries out every plan; an attempt
-//!   is one round trip asking for the lock; the cover gives back what an attempt whose
-//!   answer never came may hold.
-//! * **pass**, **cohort** — a hand-off within one manager that asks nothing of the server: the
-//!   next task takes the server hold over as it is, within the cohort's bounds.
+//! * **engine**, **attempt**, **cover** — what carries out every plan, for one lock or a set:
+//!   a waiting loop, and a fair loop that follows the server's queue instead; an attempt is
+//!   one round trip asking for the lock; the cover gives back what an attempt whose answer
+//!   never came may hold.
+//! * **pass**, **cohort**, **run** — a pass is a hand-off within one manager that asks
+//!   nothing of the server: the next task takes the server hold over as it is. A cohort's
+//!   run is the passes of one server hold, checked against the server and kept within the
+//!   cohort's bounds.
 #![warn(
     missing_docs,
     missing_debug_implementations,
@@ -67,7 +77,6 @@ mod driver;
 mod duration;
 mod election;
 mod engine;
-mod env;
 mod error;
 mod guard;
 mod holds;

@@ -10,14 +10,14 @@ use tracing::Instrument;
 
 use crate::LockError;
 use crate::backend::{AcquireRequest, Attempt, HoldIds, Shape};
-use crate::context::{self, Held, Kind, RequestKind};
+use crate::context::{self, Held, HoldKind};
 use crate::engine::{Ask, Cover, Engine, First, Outcome, Reply, Won};
 use crate::guard::{Acquired, LockGuard, Parts};
 use crate::key::Keys;
 use crate::lease::LeaseState;
 use crate::lease::keep_until;
 use crate::manager::{Inner, LockManager};
-use crate::request::{LockRequest, Plan, Single, Target};
+use crate::request::{LockRequest, Plan, RequestKind, Single, Target};
 use crate::waiters::LocalPass;
 use crate::watchdog::{Holds, Registration, Renewable};
 
@@ -88,7 +88,7 @@ enum Asking {
 struct Server {
     plan: Plan<Keys>,
     request: Arc<AcquireRequest>,
-    kind: Kind,
+    kind: HoldKind,
 }
 
 /// Looks at the task's own holds, then shapes what the attempts send.
@@ -97,9 +97,10 @@ fn ask(manager: &LockManager, mut plan: Plan<Keys>) -> Result<Asking, LockError>
         // The task already owns the lock: counted here, no round trip.
         return Ok(Asking::Nested(Box::new(nested(manager, plan, held))));
     }
-    let tag = manager.inner.waiters.tag();
-    let token = new_token(tag);
-    let (shape, kind) = shape_of(&plan, &token, tag);
+    let manager_id = manager.inner.waiters.manager_id();
+    let token = new_token(manager_id);
+    let shape = shape_of(&plan, &token, manager_id);
+    let kind = plan.kind.hold_kind();
     // The lock key moves into the request (and on into the hold): nothing reads it from the
     // plan from here on.
     let wake = plan.keys.wake();
@@ -182,27 +183,27 @@ pub(crate) fn outer_hold(
     kind: RequestKind,
     plan: &Plan<Keys>,
 ) -> Result<Option<Arc<Held>>, LockError> {
-    let manager_id = Arc::as_ptr(&manager.inner) as usize;
-    let Some(held) = context::find(manager_id, &plan.keys.lock) else {
+    let manager_addr = manager.inner.addr();
+    let Some(held) = context::find(manager_addr, &plan.keys.lock) else {
         return Ok(None);
     };
     let key = || plan.keys.name.clone();
     let nest = match kind {
         RequestKind::Exclusive | RequestKind::Write => match held.kind {
-            Kind::Exclusive if held.reentrant && plan.options.reentrant => true,
-            Kind::Read if kind == RequestKind::Write => {
+            HoldKind::Exclusive if held.reentrant && plan.options.reentrant => true,
+            HoldKind::Read if kind == RequestKind::Write => {
                 return Err(LockError::Upgrade { key: key() });
             }
             _ => false,
         },
         // Downgrade: the writer takes the read side as a nested hold of its write lock; or
         // another read hold of the same share.
-        RequestKind::Read => matches!(held.kind, Kind::Exclusive | Kind::Read),
+        RequestKind::Read => matches!(held.kind, HoldKind::Exclusive | HoldKind::Read),
         // Another permit is an independent holder, unless this code already holds every
         // permit: it would wait for itself. Anything else on the key would wait for this
         // task's own lock.
-        RequestKind::Permits(permits) if held.kind == Kind::Permit => {
-            if context::count(manager_id, &plan.keys.lock) < permits as usize {
+        RequestKind::Permits(permits) if held.kind == HoldKind::Permit => {
+            if context::count(manager_addr, &plan.keys.lock) < permits as usize {
                 return Ok(None);
             }
             false
@@ -252,7 +253,7 @@ fn granted(
     manager: &LockManager,
     plan: Plan<Keys>,
     request: Arc<AcquireRequest>,
-    kind: Kind,
+    kind: HoldKind,
     outcome: Outcome<u64>,
 ) -> LockGuard {
     let Outcome {
@@ -276,22 +277,22 @@ fn granted(
     };
     crate::metrics::handed_over(plan.metrics, queued);
     tracing::debug!(attempts, waited = ?acquired.waited, local = local.is_some(), "acquired");
-    let from = match local {
-        Some(local) => From::Passed(local),
+    let origin = match local {
+        Some(local) => Origin::Passed(local),
         // The request's own strings become the hold's: no copy once its attempts are done.
-        None => From::Server {
+        None => Origin::Server {
             ids: Arc::new(Arc::unwrap_or_clone(request).into_hold_ids()),
             fence,
         },
     };
-    let guard = grant(manager, plan, kind, acquired, from);
+    let guard = grant(manager, plan, kind, acquired, origin);
     // The waiters behind see the holder until the guard exists.
     drop(ticket);
     guard
 }
 
 /// Where a first hold comes from.
-enum From {
+enum Origin {
     /// The server granted it to `ids` (or a release handed it over through the server).
     Server { ids: Arc<HoldIds>, fence: u64 },
     /// A local release passed the server hold of the holder before on, as it is.
@@ -304,13 +305,13 @@ enum From {
 fn grant(
     manager: &LockManager,
     plan: Plan<Keys>,
-    kind: Kind,
+    kind: HoldKind,
     acquired: Acquired,
-    from: From,
+    origin: Origin,
 ) -> LockGuard {
     let sent = acquired.sent;
-    let (ids, lease, set, start, fence, run) = match from {
-        From::Server { ids, fence } => {
+    let (ids, lease, set, start, fence, run) = match origin {
+        Origin::Server { ids, fence } => {
             let lease = Arc::new(LeaseState::new(sent, plan.ttl));
             let keep = keep_until(sent, plan.options.min_hold);
             let shown = plan.options.fencing.then_some(fence);
@@ -318,7 +319,7 @@ fn grant(
         }
         // Renewals follow the shared lease from when it was last set (the first one may be
         // due at once), not from the pass. Fenced locks never pass.
-        From::Passed(LocalPass { run, passes }) => {
+        Origin::Passed(LocalPass { run, passes }) => {
             let (ids, lease) = (run.ids().clone(), run.lease().clone());
             let set = lease.valid_until().checked_sub(lease.ttl()).unwrap_or(sent);
             (
@@ -390,14 +391,14 @@ impl Held {
     pub(crate) fn first<K>(
         inner: &Arc<Inner>,
         plan: &Plan<K>,
-        kind: Kind,
+        kind: HoldKind,
         ids: Arc<HoldIds>,
         lease: Arc<LeaseState>,
         start: (u64, Option<Instant>, u32),
     ) -> Arc<Self> {
         let (fence, keep_until, passes) = start;
         let held = Arc::new(Held {
-            manager: Arc::as_ptr(inner) as usize,
+            manager_addr: inner.addr(),
             reentrant: plan.options.reentrant,
             kind,
             ids,
@@ -510,24 +511,21 @@ impl Ask for Arc<AcquireRequest> {
     }
 }
 
-/// The script shape and context kind of a first (or shared) hold of `kind` for `token`.
-fn shape_of(plan: &Plan<Keys>, token: &str, tag: &str) -> (Shape, Kind) {
+/// The script shape of a first (or shared) hold of the plan's kind for `token`.
+fn shape_of(plan: &Plan<Keys>, token: &str, manager_id: &str) -> Shape {
     let share = || plan.keys.share(token);
     let intent = || plan.keys.write_intent();
     match plan.kind {
         // Checked by `plan`: exclusive, without fencing or min_hold.
-        RequestKind::Exclusive if plan.options.fair => {
-            let shape = Shape::Fair {
-                queue: crate::backend::FairQueue::new(&plan.keys.lock, tag, plan.ttl, token),
-                join: plan.retries > 0,
-            };
-            (shape, Kind::Exclusive)
-        }
+        RequestKind::Exclusive if plan.options.fair => Shape::Fair {
+            queue: crate::backend::FairQueue::new(&plan.keys.lock, manager_id, plan.ttl, token),
+            join: plan.retries > 0,
+        },
         // The string form: one native command each way.
         RequestKind::Exclusive if !plan.options.fencing && plan.options.min_hold.is_none() => {
-            (Shape::Plain, Kind::Exclusive)
+            Shape::Plain
         }
-        RequestKind::Exclusive => (Shape::Exclusive, Kind::Exclusive),
+        RequestKind::Exclusive => Shape::Exclusive,
         RequestKind::Write => {
             // Keeps new readers out between this writer's attempts, no longer.
             let between = plan
@@ -535,7 +533,7 @@ fn shape_of(plan: &Plan<Keys>, token: &str, tag: &str) -> (Shape, Kind) {
                 .ceiling()
                 .saturating_mul(2)
                 .max(Duration::from_secs(1));
-            let shape = Shape::Write {
+            Shape::Write {
                 intent: intent(),
                 // A writer that will not try again leaves no intent behind.
                 intent_lease: if plan.retries == 0 {
@@ -543,25 +541,18 @@ fn shape_of(plan: &Plan<Keys>, token: &str, tag: &str) -> (Shape, Kind) {
                 } else {
                     between.min(plan.ttl)
                 },
-            };
-            (shape, Kind::Exclusive)
+            }
         }
-        RequestKind::Read => {
-            let shape = Shape::Share {
-                share: share(),
-                intent: intent(),
-                permits: None,
-            };
-            (shape, Kind::Read)
-        }
-        RequestKind::Permits(permits) => {
-            let shape = Shape::Share {
-                share: share(),
-                intent: intent(),
-                permits: Some(permits),
-            };
-            (shape, Kind::Permit)
-        }
+        RequestKind::Read => Shape::Share {
+            share: share(),
+            intent: intent(),
+            permits: None,
+        },
+        RequestKind::Permits(permits) => Shape::Share {
+            share: share(),
+            intent: intent(),
+            permits: Some(permits),
+        },
     }
 }
 

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tracing::Instrument;
 
 use crate::backend::{HoldIds, SetAttempt, SetKey, SetRequest};
-use crate::context::{Held, Kind, RequestKind};
+use crate::context::{Held, HoldKind};
 use crate::engine::{Ask, Engine, Reply, Won};
 use crate::guard::Acquired;
 use crate::holds::Live;
@@ -23,7 +23,7 @@ use crate::lease::{LeaseState, check_ttl};
 use crate::lock::{self, new_token};
 use crate::manager::{Inner, LockManager};
 use crate::release::{self, Resend, Unanswered};
-use crate::request::{KeySet, LockRequest, MultiLockRequest, Plan, Target};
+use crate::request::{KeySet, LockRequest, MultiLockRequest, Plan, RequestKind, Target};
 use crate::watchdog::{Holds, Registration};
 use crate::{LockError, LockGuard};
 
@@ -99,7 +99,7 @@ async fn take_set(manager: &LockManager, plan: Plan<Vec<Keys>>) -> Result<MultiG
                 wake: k.wake(),
             })
             .collect(),
-        token: new_token(inner.waiters.tag()),
+        token: new_token(inner.waiters.manager_id()),
         lease: plan.ttl,
         fencing: plan.options.fencing,
     };
@@ -173,7 +173,7 @@ fn grant_set(
         held.push(Held::first(
             inner,
             plan,
-            Kind::Exclusive,
+            HoldKind::Exclusive,
             ids,
             lease.clone(),
             start,

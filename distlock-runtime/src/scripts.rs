@@ -386,8 +386,8 @@ pub(crate) struct Fair<'a> {
     pub(crate) token: &'a str,
     /// The caller's queue entry.
     pub(crate) entry: &'a str,
-    /// The caller's manager tag.
-    pub(crate) tag: &'a str,
+    /// The caller's manager id.
+    pub(crate) manager_id: &'a str,
     /// How long a lock granted to another manager's waiter stays held unclaimed.
     pub(crate) unclaimed: Duration,
     pub(crate) op: FairOp,
@@ -416,7 +416,7 @@ impl Fair<'_> {
         call.arg(op)
             .arg(self.token)
             .arg(self.entry)
-            .arg(self.tag)
+            .arg(self.manager_id)
             .arg(millis(self.unclaimed));
         if let FairOp::Take {
             lease,
@@ -744,14 +744,14 @@ mod tests {
         let _: () = conn.del(lock).await.unwrap();
     }
 
-    /// One `fair.lua` call on lock `l{fair}` by owner `token` of manager `tag`.
+    /// One `fair.lua` call on lock `l{fair}` by owner `token` of manager `manager_id`.
     async fn fair(
         conn: &mut MultiplexedConnection,
         token: &str,
-        tag: &str,
+        manager_id: &str,
         op: FairOp,
     ) -> (i64, redis::Value) {
-        let entry = format!("{tag}:10000:{token}");
+        let entry = format!("{manager_id}:10000:{token}");
         let call = Fair {
             lock: "l{fair}",
             queue: "l{fair}:queue",
@@ -759,7 +759,7 @@ mod tests {
             wake: "l{fair}:wake",
             token,
             entry: &entry,
-            tag,
+            manager_id,
             unclaimed: Duration::from_secs(2),
             op,
         };

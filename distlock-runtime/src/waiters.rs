@@ -74,8 +74,8 @@ struct Shared {
     cohort: CohortBounds,
     /// Acquire attempts (of one key or a set) answered by the server.
     attempts: AtomicU64,
-    /// What this manager's releases publish (see `ConnectOptions::tag`).
-    tag: Arc<str>,
+    /// What this manager's releases publish (see `ConnectOptions::manager_id`).
+    manager_id: Arc<str>,
     connect_timeout: Duration,
     response_timeout: Duration,
 }
@@ -269,7 +269,7 @@ impl Waiters {
     pub(crate) fn new(
         connect_timeout: Duration,
         response_timeout: Duration,
-        tag: Arc<str>,
+        manager_id: Arc<str>,
         cohort: CohortBounds,
     ) -> Self {
         Self {
@@ -284,7 +284,7 @@ impl Waiters {
                 passes: AtomicU64::new(0),
                 cohort,
                 attempts: AtomicU64::new(0),
-                tag,
+                manager_id,
                 connect_timeout,
                 response_timeout,
             }),
@@ -298,8 +298,8 @@ impl Waiters {
     }
 
     /// What this manager's releases publish, and its fair queue entries carry.
-    pub(crate) fn tag(&self) -> &str {
-        &self.shared.tag
+    pub(crate) fn manager_id(&self) -> &str {
+        &self.shared.manager_id
     }
 
     /// How many locks releases handed to a local waiter so far.
@@ -661,7 +661,7 @@ impl Shared {
                 }
                 return;
             }
-            if message != self.tag.as_bytes() {
+            if message != self.manager_id.as_bytes() {
                 let mut queue = key.lock_queue();
                 if let Some(sitting) = &mut queue.sitting_out {
                     sitting.heard.insert(message.to_vec());
@@ -1275,7 +1275,7 @@ impl Releaser {
         let fair = ids
             .fair
             .as_ref()
-            .map(|queue| queue.for_owner(self.waiters.tag(), offer.lease, &offer.token));
+            .map(|queue| queue.for_owner(self.waiters.manager_id(), offer.lease, &offer.token));
         let next = Arc::new(HoldIds {
             token: offer.token,
             fair,

@@ -46,25 +46,25 @@ pub(crate) struct HoldIds {
 pub(crate) struct FairQueue {
     pub(crate) queue: String,
     pub(crate) leases: String,
-    /// `<manager tag>:<lease ms>:<token>`, as `fair.lua` reads it.
+    /// `<manager id>:<lease ms>:<token>`, as `fair.lua` reads it.
     pub(crate) entry: String,
 }
 
 impl FairQueue {
     /// The queue keys of `lock`, with the entry of `token` waiting with `lease` for the
-    /// manager tagged `tag`.
-    pub(crate) fn new(lock: &str, tag: &str, lease: Duration, token: &str) -> Self {
+    /// manager `manager_id`.
+    pub(crate) fn new(lock: &str, manager_id: &str, lease: Duration, token: &str) -> Self {
         Self {
             queue: crate::key::queue_key(lock),
             leases: crate::key::queue_leases_key(lock),
-            entry: format!("{tag}:{}:{token}", millis(lease)),
+            entry: format!("{manager_id}:{}:{token}", millis(lease)),
         }
     }
 
     /// The same queue, with the entry of another owner.
-    pub(crate) fn for_owner(&self, tag: &str, lease: Duration, token: &str) -> Self {
+    pub(crate) fn for_owner(&self, manager_id: &str, lease: Duration, token: &str) -> Self {
         Self {
-            entry: format!("{tag}:{}:{token}", millis(lease)),
+            entry: format!("{manager_id}:{}:{token}", millis(lease)),
             ..self.clone()
         }
     }

@@ -43,10 +43,11 @@ pub(crate) struct Backend {
     deployment: Deployment,
 }
 
-/// The endpoints behind a backend: one, or independent masters under the RedLock rules.
+/// The endpoints behind a backend: one node (a server, a Sentinel-managed master or a
+/// Cluster), or independent masters under the RedLock rules.
 #[derive(Clone, Debug)]
 enum Deployment {
-    One(Node),
+    Node(Node),
     RedLock(RedLock),
 }
 
@@ -71,7 +72,7 @@ pub(crate) struct Capabilities {
 macro_rules! each {
     ($self:ident, $node:ident => $one:expr, $masters:ident => $redlock:expr) => {
         match &$self.deployment {
-            Deployment::One($node) => $one,
+            Deployment::Node($node) => $one,
             Deployment::RedLock($masters) => Box::pin(async move { $redlock }).await,
         }
     };
@@ -85,7 +86,7 @@ impl Backend {
     ) -> RedisResult<Self> {
         let node = Node::cluster(seeds, options)?;
         node.load_scripts().await?;
-        Ok(Self::one(node))
+        Ok(Self::of_node(node))
     }
 
     /// Connects to the master that the Sentinels at `sentinels` name `master`, and follows it
@@ -97,14 +98,14 @@ impl Backend {
     ) -> RedisResult<Self> {
         let node = Node::sentinel(sentinels, master, options).await?;
         node.load_scripts().await?;
-        Ok(Self::one(node))
+        Ok(Self::of_node(node))
     }
 
     /// Connects to one server.
-    pub(crate) async fn connect(url: &str, options: ConnectOptions) -> RedisResult<Self> {
-        let node = Node::new(url, options)?;
+    pub(crate) async fn connect_server(url: &str, options: ConnectOptions) -> RedisResult<Self> {
+        let node = Node::server(url, options)?;
         node.load_scripts().await?;
-        Ok(Self::one(node))
+        Ok(Self::of_node(node))
     }
 
     /// Connects to independent masters, a majority of which must answer (RedLock).
@@ -118,16 +119,16 @@ impl Backend {
         })
     }
 
-    fn one(node: Node) -> Self {
+    fn of_node(node: Node) -> Self {
         Self {
-            deployment: Deployment::One(node),
+            deployment: Deployment::Node(node),
         }
     }
 
     /// What this deployment can do.
     pub(crate) fn capabilities(&self) -> Capabilities {
         match &self.deployment {
-            Deployment::One(node) => Capabilities {
+            Deployment::Node(node) => Capabilities {
                 hand_off: !node.syncs_replicas(),
                 fair: true,
                 fencing: true,
@@ -145,7 +146,7 @@ impl Backend {
     /// Every endpoint: the one, or each RedLock master.
     pub(crate) fn nodes(&self) -> &[Node] {
         match &self.deployment {
-            Deployment::One(node) => std::slice::from_ref(node),
+            Deployment::Node(node) => std::slice::from_ref(node),
             Deployment::RedLock(masters) => &masters.nodes,
         }
     }

@@ -21,8 +21,8 @@ use crate::scripts;
 
 use super::cluster;
 use super::hold::{
-    AcquireCall, AcquireRequest, Attempt, FAIR_ENTRY_LEASE, FAIR_UNCLAIMED, FairRelease, HoldIds,
-    HoldRef, Renewal, Shape, millis,
+    AcquireCall, AcquireRequest, Attempt, FAIR_ENTRY_LEASE, FAIR_UNCLAIMED, FairQueue, FairRelease,
+    HoldIds, HoldRef, Renewal, Shape, millis,
 };
 use super::link::Query;
 use super::pool::{AnswerBound, Conn, ConnectOptions, NativeDelete, Pool, bounded};
@@ -66,8 +66,8 @@ impl std::fmt::Debug for Node {
 }
 
 impl Node {
-    /// A node for `url`; nothing is sent until it is used.
-    pub(crate) fn new(url: &str, options: ConnectOptions) -> RedisResult<Self> {
+    /// A node for the one server at `url`; nothing is sent until it is used.
+    pub(crate) fn server(url: &str, options: ConnectOptions) -> RedisResult<Self> {
         Self::with(url, options, Route::Server)
     }
 
@@ -350,38 +350,14 @@ impl Node {
 
     /// What an acquire attempt sends for the shape of `req`.
     fn acquire_call<'a>(&self, req: &'a AcquireRequest) -> AcquireCall<'a> {
-        let lease = millis(req.lease);
         let fence = || req.fence();
         match &req.shape {
             // One native command: set if absent; the value already there tells the rest.
-            Shape::Plain => {
-                let mut set = command("SET", 7, req.lock.len() + req.token.len() + 32);
-                set.arg(&req.lock)
-                    .arg(&req.token)
-                    .arg("NX")
-                    .arg("PX")
-                    .arg(lease)
-                    .arg("GET");
-                AcquireCall::Set { set, req }
-            }
-            Shape::Fair { queue, join } => AcquireCall::Script(
-                scripts::Fair {
-                    lock: &req.lock,
-                    queue: &queue.queue,
-                    leases: &queue.leases,
-                    wake: &req.wake,
-                    token: &req.token,
-                    entry: &queue.entry,
-                    tag: &self.pool.tag,
-                    unclaimed: FAIR_UNCLAIMED,
-                    op: scripts::FairOp::Take {
-                        lease: req.lease,
-                        entry_lease: FAIR_ENTRY_LEASE,
-                        join: *join,
-                    },
-                }
-                .call(),
-            ),
+            Shape::Plain => AcquireCall::Set {
+                set: set_if_absent(req),
+                req,
+            },
+            Shape::Fair { queue, join } => AcquireCall::Script(self.fair_take(req, queue, *join)),
             Shape::Exclusive => AcquireCall::Script(
                 scripts::Acquire {
                     lock: &req.lock,
@@ -431,6 +407,32 @@ impl Node {
                 .call(),
             ),
         }
+    }
+
+    /// A fair request's attempt: take the lock in queue order (`join`: queue up when not
+    /// granted).
+    fn fair_take(
+        &self,
+        req: &AcquireRequest,
+        queue: &FairQueue,
+        join: bool,
+    ) -> redis::ScriptInvocation<'static> {
+        scripts::Fair {
+            lock: &req.lock,
+            queue: &queue.queue,
+            leases: &queue.leases,
+            wake: &req.wake,
+            token: &req.token,
+            entry: &queue.entry,
+            manager_id: &self.pool.manager_id,
+            unclaimed: FAIR_UNCLAIMED,
+            op: scripts::FairOp::Take {
+                lease: req.lease,
+                entry_lease: FAIR_ENTRY_LEASE,
+                join,
+            },
+        }
+        .call()
     }
 
     /// Runs an acquire script and, after a grant, WAITs for `wanted` replicas for at most
@@ -542,7 +544,7 @@ impl Node {
             wake: &ids.wake,
             token: &ids.token,
             entry: &fair.entry,
-            tag: &self.pool.tag,
+            manager_id: &self.pool.manager_id,
             unclaimed: FAIR_UNCLAIMED,
             op: scripts::FairOp::Release,
         }
@@ -574,7 +576,7 @@ impl Node {
         ids: &HoldIds,
         keep: Duration,
     ) -> RedisResult<Option<u64>> {
-        let message = &*self.pool.tag;
+        let message = &*self.pool.manager_id;
         let delete = match self.delete() {
             // One script: compare, delete (or leave the ownerless `min_hold` marker, which
             // only the script can), publish.
@@ -852,4 +854,16 @@ pub(crate) fn denied(error: &RedisError) -> bool {
         }
         _ => false,
     }
+}
+
+/// A plain lock's attempt: `SET lock token NX PX lease GET`.
+fn set_if_absent(req: &AcquireRequest) -> Cmd {
+    let mut set = command("SET", 7, req.lock.len() + req.token.len() + 32);
+    set.arg(&req.lock)
+        .arg(&req.token)
+        .arg("NX")
+        .arg("PX")
+        .arg(millis(req.lease))
+        .arg("GET");
+    set
 }

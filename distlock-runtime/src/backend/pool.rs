@@ -33,9 +33,9 @@ pub(crate) struct ConnectOptions {
     pub(crate) restart_delay: Duration,
     /// Credentials and TLS material beyond what the URLs say.
     pub(crate) security: Arc<Security>,
-    /// What this manager's releases of plain locks publish on the wake channel, so that its
-    /// own waiters can tell them from other processes' releases.
-    pub(crate) tag: Arc<str>,
+    /// This manager's id (see `identity`): what its releases of plain locks publish on the
+    /// wake channel, so that its own waiters can tell them from other processes' releases.
+    pub(crate) manager_id: Arc<str>,
     /// The name this manager's connections give themselves (`CLIENT SETNAME`).
     pub(crate) client_name: Arc<str>,
     /// The manager's own runtime, which outlives any caller's: what must reach the server
@@ -74,8 +74,8 @@ pub(super) struct Pool {
     pub(super) delete: Mutex<NativeDelete>,
     /// Credentials and TLS material beyond what the URLs say.
     pub(super) security: Arc<Security>,
-    /// What this manager's releases of plain locks publish on the wake channel.
-    pub(super) tag: Arc<str>,
+    /// This manager's id: what its releases of plain locks publish on the wake channel.
+    pub(super) manager_id: Arc<str>,
     /// The name the connections give themselves (`CLIENT SETNAME`).
     pub(super) client_name: Arc<str>,
 }
@@ -126,7 +126,7 @@ impl Pool {
             replicated: Mutex::new(HashMap::new()),
             delete: Mutex::new(NativeDelete::Script),
             security: options.security,
-            tag: options.tag,
+            manager_id: options.manager_id,
             client_name: options.client_name,
         })
     }

@@ -44,7 +44,7 @@ impl RedLock {
         let late = crate::security::socket_timeouts(response).unacknowledged + response;
         let nodes = urls
             .iter()
-            .map(|url| Node::new(url, options.clone()))
+            .map(|url| Node::server(url, options.clone()))
             .collect::<RedisResult<Vec<_>>>()?;
         let quorum = majority_of(nodes.len());
         let loaded = join_all(nodes.iter().map(Node::load_scripts)).await;

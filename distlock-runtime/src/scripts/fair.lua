@@ -8,8 +8,8 @@
 -- KEYS[4]  the lock's wake channel: told about every grant and every release
 -- ARGV[1]  "take" or "release"
 -- ARGV[2]  the caller's owner token
--- ARGV[3]  the caller's queue entry, `<manager tag>:<lease ms>:<token>`
--- ARGV[4]  the caller's manager tag
+-- ARGV[3]  the caller's queue entry, `<manager id>:<lease ms>:<token>`
+-- ARGV[4]  the caller's manager id
 -- ARGV[5]  how long a lock granted to a waiter of another manager stays held unclaimed (ms)
 --
 -- take, ARGV[6] the lease (ms), ARGV[7] the entry's lease (ms), ARGV[8] "1" to join the queue
@@ -27,7 +27,7 @@
 -- with the last live entry's lease.
 
 local lock, queue, leases, wake = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local op, token, entry, tag = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local op, token, entry, manager_id = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local unclaimed = tonumber(ARGV[5])
 
 local clock = redis.call('time')
@@ -47,9 +47,9 @@ local function grant_head()
     return nil
   end
   redis.call('zrem', leases, head)
-  local owner_tag, lease, owner = string.match(head, '^([^:]*):(%d+):(.*)$')
+  local owner_manager, lease, owner = string.match(head, '^([^:]*):(%d+):(.*)$')
   lease = tonumber(lease)
-  if owner_tag ~= tag and lease > unclaimed then
+  if owner_manager ~= manager_id and lease > unclaimed then
     lease = unclaimed
   end
   redis.call('set', lock, owner, 'px', lease)
@@ -64,7 +64,7 @@ local function release()
     return {2, next_owner}
   end
   redis.call('del', lock)
-  return {1, redis.call('publish', wake, tag)}
+  return {1, redis.call('publish', wake, manager_id)}
 end
 
 -- A key of another type (a hash: another lock kind) answers an error here: held, not ours.

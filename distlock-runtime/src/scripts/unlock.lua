@@ -7,7 +7,7 @@
 -- ARGV[1]  owner token
 -- ARGV[2]  milliseconds the key must still live (min_hold of a hold taken inside); "0"
 --          deletes it
--- ARGV[3]  the wake-up message (the releasing manager's tag)
+-- ARGV[3]  the wake-up message (the releasing manager's id)
 --
 -- Returns 1 + the number of subscribers that heard the wake-up when released, 0 when the
 -- caller did not hold the lock (expired, or another owner or another kind holds the key

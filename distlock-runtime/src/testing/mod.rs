@@ -25,11 +25,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+mod certs;
 mod network;
 mod provision;
+mod proxy;
 
+pub use certs::TestCertificates;
 use network::Host;
 pub use network::{Network, Path};
+pub use proxy::{Fault, FaultProxy};
 
 /// The environment variable that names the `redis-server` binary to use.
 pub const SERVER_ENV: &str = "DISTLOCK_REDIS_SERVER";
@@ -93,7 +97,7 @@ impl RedisServer {
         extra: Vec<String>,
     ) -> io::Result<Self> {
         let tls_port = free_port()?;
-        let file = |name: &str| certs.dir.join(name).to_string_lossy().into_owned();
+        let file = |name: &str| certs.path(name).to_string_lossy().into_owned();
         let auth = if require_client_cert { "yes" } else { "no" };
         let args = [
             "--tls-port".to_owned(),
@@ -293,19 +297,22 @@ impl RedisServer {
             })
             .collect::<io::Result<Vec<_>>>()?;
         Self::join_cluster(&nodes, masters)?;
-        let started = Instant::now();
-        while !nodes.iter().all(|n| {
-            n.command(&["CLUSTER", "INFO"])
-                .is_ok_and(|i| i.contains("cluster_state:ok"))
-        }) {
-            if started.elapsed() > START_TIMEOUT {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "the cluster did not come up",
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        Self::wait_until_formed(&nodes, masters)?;
+        Ok(nodes)
+    }
+
+    /// Waits until every node of `nodes` sees the cluster up and every replica (past the
+    /// first `masters` nodes) has synced with its master.
+    fn wait_until_formed(nodes: &[RedisServer], masters: usize) -> io::Result<()> {
+        wait_for(
+            || {
+                nodes.iter().all(|n| {
+                    n.command(&["CLUSTER", "INFO"])
+                        .is_ok_and(|i| i.contains("cluster_state:ok"))
+                })
+            },
+            "the cluster did not come up",
+        )?;
         for replica in &nodes[masters..] {
             wait_for(
                 || {
@@ -316,7 +323,7 @@ impl RedisServer {
                 "a cluster replica did not sync",
             )?;
         }
-        Ok(nodes)
+        Ok(())
     }
 
     /// Makes `nodes` one cluster through the harness's own commands, as `redis-cli --cluster
@@ -398,7 +405,7 @@ impl RedisServer {
             .tls_port
             .ok_or_else(|| io::Error::other("the master was not started with TLS"))?;
         let tls_port = free_port()?;
-        let file = |name: &str| certs.dir.join(name).to_string_lossy().into_owned();
+        let file = |name: &str| certs.path(name).to_string_lossy().into_owned();
         let lines = vec![
             format!("tls-port {tls_port}"),
             format!("tls-cert-file {}", file("server.crt")),
@@ -574,7 +581,20 @@ impl RedisServer {
         Ok(stream)
     }
 
+    /// Starts the server process and waits until it answers `PING`.
     fn launch(&self) -> io::Result<()> {
+        let child = self
+            .server_command()?
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        self.wait_until_up(child)
+    }
+
+    /// The command that runs the server: a plain one (with its arguments), or a Sentinel
+    /// (with its configuration file, written here).
+    fn server_command(&self) -> io::Result<Command> {
         let port = self.port.to_string();
         let mut command = match &self.host {
             Some(host) => host.network.command(&self.binary),
@@ -588,63 +608,76 @@ impl RedisServer {
             "127.0.0.1"
         };
         let announce = self.host.as_ref().map(|host| host.ip.to_string());
-        if let Some(Monitor {
+        if let Some(monitor) = &self.sentinel {
+            let config = self.write_sentinel_config(monitor, bind, announce.as_deref())?;
+            command.arg(&config).arg("--sentinel");
+            return Ok(command);
+        }
+        command
+            .args([
+                "--port",
+                &port,
+                "--bind",
+                bind,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--protected-mode", "no", "--loglevel", "warning"])
+            .arg("--dir")
+            .arg(&self.dir)
+            // Replicas sync at once instead of after the default 5 s delay.
+            .args(["--repl-diskless-sync-delay", "0"])
+            .args(&self.extra);
+        if let Some(ip) = &announce {
+            command.args(["--replica-announce-ip", ip]);
+            if self.extra.iter().any(|arg| arg == "--cluster-enabled") {
+                command.args(["--cluster-announce-ip", ip]);
+            }
+        }
+        Ok(command)
+    }
+
+    /// Writes the configuration file of a Sentinel that monitors `monitor`, which it takes
+    /// first and rewrites as it learns; returns its path.
+    fn write_sentinel_config(
+        &self,
+        monitor: &Monitor,
+        bind: &str,
+        announce: Option<&str>,
+    ) -> io::Result<PathBuf> {
+        let Monitor {
             name,
             addr,
             port: master,
             quorum,
-        }) = &self.sentinel
-        {
-            // A Sentinel takes its configuration file first and rewrites it as it learns.
-            let config = self.dir.join("sentinel.conf");
-            std::fs::write(
-                &config,
-                format!(
-                    "port {port}\nbind {bind}\ndir {dir}\n{announce}\
-                     sentinel monitor {name} {addr} {master} {quorum}\n\
-                     sentinel down-after-milliseconds {name} 300\n\
-                     sentinel failover-timeout {name} 2000\n\
-                     sentinel parallel-syncs {name} 1\n{auth}{extra}\n",
-                    dir = self.dir.display(),
-                    announce = announce.map_or_else(String::new, |ip| format!("sentinel announce-ip {ip}\n")),
-                    // Extra configuration lines (TLS).
-                    extra = self.extra.join("\n"),
-                    auth = self.password.as_ref().map_or_else(String::new, |Password(p)| format!(
-                        "requirepass {p}\nsentinel auth-pass {name} {p}\nsentinel sentinel-pass {p}\n"
-                    )),
-                ),
-            )?;
-            command.arg(&config).arg("--sentinel");
-        } else {
-            command
-                .args([
-                    "--port",
-                    &port,
-                    "--bind",
-                    bind,
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ])
-                .args(["--protected-mode", "no", "--loglevel", "warning"])
-                .arg("--dir")
-                .arg(&self.dir)
-                // Replicas sync at once instead of after the default 5 s delay.
-                .args(["--repl-diskless-sync-delay", "0"])
-                .args(&self.extra);
-            if let Some(ip) = &announce {
-                command.args(["--replica-announce-ip", ip]);
-                if self.extra.iter().any(|arg| arg == "--cluster-enabled") {
-                    command.args(["--cluster-announce-ip", ip]);
-                }
-            }
-        }
-        let mut child = command
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?;
+        } = monitor;
+        let config = self.dir.join("sentinel.conf");
+        std::fs::write(
+            &config,
+            format!(
+                "port {port}\nbind {bind}\ndir {dir}\n{announce}\
+                 sentinel monitor {name} {addr} {master} {quorum}\n\
+                 sentinel down-after-milliseconds {name} 300\n\
+                 sentinel failover-timeout {name} 2000\n\
+                 sentinel parallel-syncs {name} 1\n{auth}{extra}\n",
+                port = self.port,
+                dir = self.dir.display(),
+                announce = announce.map_or_else(String::new, |ip| format!("sentinel announce-ip {ip}\n")),
+                // Extra configuration lines (TLS).
+                extra = self.extra.join("\n"),
+                auth = self.password.as_ref().map_or_else(String::new, |Password(p)| format!(
+                    "requirepass {p}\nsentinel auth-pass {name} {p}\nsentinel sentinel-pass {p}\n"
+                )),
+            ),
+        )?;
+        Ok(config)
+    }
+
+    /// Waits until the server started as `child` answers `PING`, then keeps `child`; kills
+    /// it if it does not answer in time.
+    fn wait_until_up(&self, mut child: Child) -> io::Result<()> {
         let started = Instant::now();
         loop {
             if self.ping() {
@@ -697,123 +730,6 @@ impl RedisServer {
     }
 }
 
-/// A private certificate authority with a server certificate (for `127.0.0.1` and
-/// `localhost`) and a client certificate signed by it, generated with the `openssl` CLI in a
-/// temporary directory that is removed on drop.
-#[derive(Debug)]
-pub struct TestCertificates {
-    dir: PathBuf,
-}
-
-impl TestCertificates {
-    /// Generates a fresh CA, server certificate and client certificate (ECDSA P-256).
-    pub fn generate() -> io::Result<Self> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("distlock-tls-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let certs = Self { dir };
-        let key = [
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-        ];
-        let ca_subject = ["-subj", "/CN=distlock test CA", "-days", "2"];
-        certs.openssl(&[
-            &["req", "-x509", "-keyout", "ca.key", "-out", "ca.crt"],
-            &key,
-            &ca_subject,
-        ])?;
-        for (name, usage) in [
-            ("server", "serverAuth,clientAuth"),
-            ("client", "clientAuth"),
-        ] {
-            let (ext, csr, crt) = (
-                format!("{name}.ext"),
-                format!("{name}.csr"),
-                format!("{name}.crt"),
-            );
-            std::fs::write(
-                certs.dir.join(&ext),
-                format!(
-                    "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n\
-                     keyUsage=digitalSignature\nextendedKeyUsage={usage}\n"
-                ),
-            )?;
-            let subject = format!("/CN=distlock test {name}");
-            let keyout = format!("{name}.key");
-            certs.openssl(&[
-                &["req", "-keyout", &keyout, "-out", &csr, "-subj", &subject],
-                &key,
-            ])?;
-            certs.openssl(&[&[
-                "x509",
-                "-req",
-                "-in",
-                &csr,
-                "-CA",
-                "ca.crt",
-                "-CAkey",
-                "ca.key",
-                "-CAcreateserial",
-                "-days",
-                "2",
-                "-out",
-                &crt,
-                "-extfile",
-                &ext,
-            ]])?;
-        }
-        Ok(certs)
-    }
-
-    /// The CA certificate, PEM.
-    pub fn ca_pem(&self) -> io::Result<String> {
-        std::fs::read_to_string(self.dir.join("ca.crt"))
-    }
-
-    /// The client certificate, PEM.
-    pub fn client_cert_pem(&self) -> io::Result<String> {
-        std::fs::read_to_string(self.dir.join("client.crt"))
-    }
-
-    /// The client certificate's private key, PEM.
-    pub fn client_key_pem(&self) -> io::Result<String> {
-        std::fs::read_to_string(self.dir.join("client.key"))
-    }
-
-    /// The path of a generated file: `ca.crt`, `client.crt`, `client.key`, `server.crt`, ….
-    pub fn path(&self, name: &str) -> PathBuf {
-        self.dir.join(name)
-    }
-
-    fn openssl(&self, parts: &[&[&str]]) -> io::Result<()> {
-        let args: Vec<&str> = parts.concat();
-        let output = Command::new("openssl")
-            .args(&args)
-            .current_dir(&self.dir)
-            .stdin(Stdio::null())
-            .output()?;
-        if output.status.success() {
-            Ok(())
-        } else {
-            Err(io::Error::other(format!(
-                "openssl {}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&output.stderr)
-            )))
-        }
-    }
-}
-
-impl Drop for TestCertificates {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 /// The master a Sentinel monitors.
 #[derive(Debug, Clone)]
 struct Monitor {
@@ -860,6 +776,41 @@ fn encode(args: &[&str]) -> String {
         request.push_str(&format!("${}\r\n{arg}\r\n", arg.len()));
     }
     request
+}
+
+/// Runs `program` with `args` (standard input closed, output kept) and waits for it. A
+/// program that fails is an error that gives its command line and what it wrote on standard
+/// error; one that cannot start is the error of starting it.
+fn run_tool<S: AsRef<std::ffi::OsStr>>(
+    program: impl AsRef<std::ffi::OsStr>,
+    args: &[S],
+) -> io::Result<()> {
+    run(Command::new(program).args(args))
+}
+
+/// The same, in the directory `dir`.
+fn run_tool_in<S: AsRef<std::ffi::OsStr>>(
+    dir: &std::path::Path,
+    program: impl AsRef<std::ffi::OsStr>,
+    args: &[S],
+) -> io::Result<()> {
+    run(Command::new(program).args(args).current_dir(dir))
+}
+
+fn run(command: &mut Command) -> io::Result<()> {
+    let output = command.stdin(Stdio::null()).output()?;
+    if output.status.success() {
+        return Ok(());
+    }
+    let line = std::iter::once(command.get_program())
+        .chain(command.get_args())
+        .map(|part| part.to_string_lossy())
+        .collect::<Vec<_>>()
+        .join(" ");
+    Err(io::Error::other(format!(
+        "{line}: {}",
+        String::from_utf8_lossy(&output.stderr).trim()
+    )))
 }
 
 fn find_binary() -> io::Result<PathBuf> {
@@ -924,150 +875,4 @@ fn read_reply(stream: &mut TcpStream) -> io::Result<String> {
         return Ok(items.join("\n"));
     }
     Ok(line)
-}
-
-/// What a [`FaultProxy`] does to the bytes it carries.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fault {
-    /// Forward everything at once.
-    Pass,
-    /// Forward everything after this delay (each chunk, each direction).
-    Latency(Duration),
-    /// Let nothing through, in either direction: a network partition. Like TCP after a
-    /// partition heals, what was sent meanwhile is delivered once traffic passes again (or the
-    /// connection is [reset](FaultProxy::reset)).
-    Blackhole,
-}
-
-/// A TCP proxy on a loopback port in front of a server, that can add latency, swallow
-/// traffic, or reset every connection: network faults without touching the server.
-///
-/// Stopped (listener and connections closed) on drop.
-#[derive(Debug)]
-pub struct FaultProxy {
-    port: u16,
-    shared: Arc<ProxyShared>,
-}
-
-#[derive(Debug)]
-struct ProxyShared {
-    fault: Mutex<Fault>,
-    /// Bumped by `reset`: connections from an older generation close.
-    generation: AtomicU64,
-    stopped: std::sync::atomic::AtomicBool,
-}
-
-impl FaultProxy {
-    /// Starts a proxy in front of `127.0.0.1:target_port`, forwarding as-is.
-    pub fn start(target_port: u16) -> io::Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0")?;
-        let port = listener.local_addr()?.port();
-        let shared = Arc::new(ProxyShared {
-            fault: Mutex::new(Fault::Pass),
-            generation: AtomicU64::new(0),
-            stopped: std::sync::atomic::AtomicBool::new(false),
-        });
-        let accepting = shared.clone();
-        std::thread::Builder::new()
-            .name("fault-proxy".into())
-            .spawn(move || {
-                for client in listener.incoming() {
-                    if accepting.stopped.load(Ordering::Acquire) {
-                        return;
-                    }
-                    let Ok(client) = client else { continue };
-                    let Ok(server) = TcpStream::connect(("127.0.0.1", target_port)) else {
-                        continue;
-                    };
-                    let generation = accepting.generation.load(Ordering::Acquire);
-                    for (from, to) in [
-                        (client.try_clone(), server.try_clone()),
-                        (Ok(server), Ok(client)),
-                    ] {
-                        if let (Ok(from), Ok(to)) = (from, to) {
-                            let shared = accepting.clone();
-                            let _ = std::thread::Builder::new()
-                                .name("fault-proxy-pipe".into())
-                                .spawn(move || pipe(from, to, &shared, generation));
-                        }
-                    }
-                }
-            })?;
-        Ok(Self { port, shared })
-    }
-
-    /// `redis://127.0.0.1:<proxy port>`.
-    pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// Sets what happens to traffic from now on.
-    pub fn set(&self, fault: Fault) {
-        *self.shared.fault.lock().unwrap_or_else(|e| e.into_inner()) = fault;
-    }
-
-    /// Closes every open connection (the peers see a reset or end of stream); new ones are
-    /// accepted as before.
-    pub fn reset(&self) {
-        self.shared.generation.fetch_add(1, Ordering::AcqRel);
-    }
-}
-
-impl Drop for FaultProxy {
-    fn drop(&mut self) {
-        self.shared.stopped.store(true, Ordering::Release);
-        self.reset();
-        // Wake the accept loop so that it sees `stopped`.
-        let _ = TcpStream::connect(("127.0.0.1", self.port));
-    }
-}
-
-/// Copies `from` to `to` under the proxy's current fault, until either side closes or the
-/// proxy resets.
-fn pipe(mut from: TcpStream, mut to: TcpStream, shared: &ProxyShared, generation: u64) {
-    let _ = from.set_read_timeout(Some(Duration::from_millis(20)));
-    let mut buf = [0u8; 16 * 1024];
-    loop {
-        if shared.generation.load(Ordering::Acquire) != generation {
-            let _ = from.shutdown(std::net::Shutdown::Both);
-            let _ = to.shutdown(std::net::Shutdown::Both);
-            return;
-        }
-        if *shared.fault.lock().unwrap_or_else(|e| e.into_inner()) == Fault::Blackhole {
-            // Leave the bytes in the socket buffers until the partition heals.
-            std::thread::sleep(Duration::from_millis(5));
-            continue;
-        }
-        let n = match from.read(&mut buf) {
-            Ok(0) => {
-                let _ = to.shutdown(std::net::Shutdown::Write);
-                return;
-            }
-            Ok(n) => n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                continue;
-            }
-            Err(_) => return,
-        };
-        // Read just before a partition began: hold the bytes until it heals.
-        let fault = loop {
-            let fault = *shared.fault.lock().unwrap_or_else(|e| e.into_inner());
-            if fault != Fault::Blackhole || shared.generation.load(Ordering::Acquire) != generation
-            {
-                break fault;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        };
-        if let Fault::Latency(delay) = fault {
-            std::thread::sleep(delay);
-        }
-        if to.write_all(&buf[..n]).is_err() {
-            return;
-        }
-    }
 }

