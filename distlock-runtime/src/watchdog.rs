@@ -10,9 +10,14 @@
 //! or no key is marked lost and dropped, and one is dropped as soon as its guard is released.
 //!
 //! Renewal also requires the holder to be alive: each tick sends a tiny probe task to the
-//! runtime that acquired the lease, and a lease whose holder's runtime has not run a probe
-//! for half a lease (that runtime is blocked or gone) is not renewed, so it expires instead of
-//! outliving a stuck holder. `max_hold` ends renewal for a body that never finishes.
+//! runtime that acquired the lease, and a lease whose holder's runtime has left a probe
+//! unrun for half a lease (that runtime is blocked or gone) is not renewed, so it expires
+//! instead of outliving a stuck holder. A watchdog that runs late itself is not taken for a
+//! stuck holder. `max_hold` ends renewal for a body that never finishes.
+//!
+//! A watchdog that falls behind says so before leases are lost: a renewal that goes out with
+//! less than half of its lease left is counted and warned of (see [`is_late`]), and so is a
+//! lease that ran out before its renewal could go out.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -227,6 +232,8 @@ struct Lease {
     holder: Option<Handle>,
     /// When the holder's runtime last ran a probe, in nanoseconds since `EPOCH`.
     alive: Arc<AtomicU64>,
+    /// When the last probe was sent to it, likewise.
+    probed: u64,
     metrics: crate::metrics::Labels,
 }
 
@@ -280,7 +287,8 @@ impl Watchdog {
             // Too far away for the clock to count: renew for as long as the guard lives.
             stop_at: max_hold.and_then(|max| acquired.checked_add(max)),
             holder: Handle::try_current().ok(),
-            alive: Arc::new(AtomicU64::new(since_epoch(Instant::now()))),
+            alive: Arc::new(AtomicU64::new(since_epoch(acquired))),
+            probed: since_epoch(acquired),
             metrics,
         };
         let (id, start, wake) = {
@@ -326,7 +334,7 @@ async fn run(shared: Arc<Renewals>, backend: Backend) {
         wake.as_mut().enable();
         let (due, next_wake) = {
             let mut leases = shared.lock();
-            let due = collect_due(&mut leases);
+            let due = collect_due(&mut leases, &shared.counters);
             if leases.by_id.is_empty() {
                 leases.running = false;
                 leases.sleeps_until = None;
@@ -355,7 +363,7 @@ async fn run(shared: Arc<Renewals>, backend: Backend) {
 /// Takes out the leases to renew now (at most [`PER_LOOK`]); drops the ones past
 /// `max_hold`, lost, or whose holder did not answer its probe. Costs what is due, not what is
 /// held.
-fn collect_due(leases: &mut Leases) -> Vec<Due> {
+fn collect_due(leases: &mut Leases, counters: &Counters) -> Vec<Due> {
     let now = Instant::now();
     let mut due = Vec::new();
     // Renew what falls due within half an interval of the first lease due: two groups of
@@ -375,6 +383,13 @@ fn collect_due(leases: &mut Leases) -> Vec<Due> {
             continue;
         }
         if lease.state.is_lost() {
+            if !lease.state.is_marked_lost() {
+                // Its local deadline passed before its renewal could go out: the watchdog
+                // fell behind by two thirds of the lease.
+                leases.behind.ran_out(&lease.hold, lease.ttl);
+                counters.lost.fetch_add(1, Ordering::Release);
+                crate::metrics::renewal(lease.metrics, crate::metrics::RenewalOutcome::Lost);
+            }
             lease.state.mark_lost();
             leases.by_id.remove(&id);
             continue;
@@ -385,16 +400,23 @@ fn collect_due(leases: &mut Leases) -> Vec<Due> {
             continue;
         }
         limit = limit.max(saturating_add(now, lease.ttl / 6));
-        let probed = lease.alive.load(Ordering::Acquire);
-        let holder_alive = since_epoch(now).saturating_sub(probed) <= nanos(lease.ttl / 2);
-        match &lease.holder {
-            Some(holder) => {
-                let alive = lease.alive.clone();
-                let probe =
-                    async move { alive.store(since_epoch(Instant::now()), Ordering::Release) };
-                drop(holder.spawn(probe));
+        // Alive: it ran the last probe sent to it, or has not had half a lease to run it yet
+        // (how late this look is does not count against the holder). A new probe goes out
+        // once the last one ran: one left unrun keeps its age.
+        let waiting = lease.alive.load(Ordering::Acquire) < lease.probed;
+        let holder_alive =
+            !waiting || since_epoch(now).saturating_sub(lease.probed) <= nanos(lease.ttl / 2);
+        if !waiting {
+            lease.probed = since_epoch(now);
+            match &lease.holder {
+                Some(holder) => {
+                    let alive = lease.alive.clone();
+                    let probe =
+                        async move { alive.store(since_epoch(Instant::now()), Ordering::Release) };
+                    drop(holder.spawn(probe));
+                }
+                None => lease.alive.store(lease.probed, Ordering::Release),
             }
-            None => lease.alive.store(since_epoch(now), Ordering::Release),
         }
         lease.next_renewal = saturating_add(now, lease.ttl / 3);
         if holder_alive {
@@ -418,18 +440,20 @@ fn collect_due(leases: &mut Leases) -> Vec<Due> {
     if let Some(warning) = leases.behind.warning(now) {
         tracing::warn!(
             late = warning.late,
+            ran_out = warning.ran_out,
             lock = %warning.lock,
             watched = leases.by_id.len(),
             more_due = due.len() == PER_LOOK,
             least_left = ?warning.least_left,
             ttl = ?warning.ttl,
             "lease renewals are falling behind: {} renewals went out with less than half of \
-             their lease left (the latest {:?} of {:?}); leases will be lost if this goes on. \
-             Hold fewer watched locks per manager, use a longer ttl, or give Redis and this \
-             process more CPU",
+             their lease left (the latest {:?} of {:?}) and {} leases ran out before their \
+             renewal; leases will be lost if this goes on. Hold fewer watched locks per \
+             manager, use a longer ttl, or give Redis and this process more CPU",
             warning.late,
             warning.least_left,
             warning.ttl,
+            warning.ran_out,
         );
     }
     due
@@ -447,6 +471,8 @@ fn is_late(left: Duration, ttl: Duration) -> bool {
 struct Behind {
     /// Late renewals not yet reported.
     late: u64,
+    /// Leases that ran out before their renewal, not yet reported.
+    ran_out: u64,
     /// Late renewals since the manager was built.
     total: u64,
     /// The least lease left of those, its ttl and its lock.
@@ -455,10 +481,12 @@ struct Behind {
     warned: Option<Instant>,
 }
 
-/// What a warning reports: how many renewals went out late, and the latest of them.
+/// What a warning reports: how many renewals went out late, and the latest of them; how
+/// many leases ran out first.
 #[derive(Debug, PartialEq, Eq)]
 struct Warning {
     late: u64,
+    ran_out: u64,
     least_left: Duration,
     ttl: Duration,
     lock: String,
@@ -469,13 +497,24 @@ impl Behind {
     fn late(&mut self, left: Duration, ttl: Duration, lock: &str) {
         self.late += 1;
         self.total += 1;
+        self.note(left, ttl, lock);
+    }
+
+    /// Keeps the latest renewal so far: the one with the least lease left.
+    fn note(&mut self, left: Duration, ttl: Duration, lock: &str) {
         if self.least.as_ref().is_none_or(|(least, ..)| left < *least) {
             self.least = Some((left, ttl, lock.to_owned()));
         }
     }
 
-    /// The warning to give at `now`, if renewals went out late since the last one and it was
-    /// at least [`WARN_EVERY`] ago (the first one at once).
+    /// A lease of `hold` ran out before its renewal went out: as late as a renewal can be.
+    fn ran_out(&mut self, hold: &Holds, ttl: Duration) {
+        self.ran_out += 1;
+        self.note(Duration::ZERO, ttl, hold.lock());
+    }
+
+    /// The warning to give at `now`, if renewals went out late (or leases ran out) since the
+    /// last one and it was at least [`WARN_EVERY`] ago (the first one at once).
     fn warning(&mut self, now: Instant) -> Option<Warning> {
         self.least.as_ref()?;
         if self
@@ -488,6 +527,7 @@ impl Behind {
         self.warned = Some(now);
         Some(Warning {
             late: std::mem::take(&mut self.late),
+            ran_out: std::mem::take(&mut self.ran_out),
             least_left,
             ttl,
             lock,
@@ -589,6 +629,7 @@ async fn renew_batch(shared: &Renewals, backend: &Backend, batch: &[Due]) {
 #[cfg(test)]
 mod tests {
     use super::{Behind, Schedule, WARN_EVERY, Warning, is_late};
+    use std::sync::Arc;
     use std::time::{Duration, Instant};
 
     #[test]
@@ -614,6 +655,7 @@ mod tests {
             behind.warning(now),
             Some(Warning {
                 late: 3,
+                ran_out: 0,
                 least_left: Duration::from_millis(700),
                 ttl,
                 lock: "b".to_owned(),
@@ -628,6 +670,18 @@ mod tests {
         // Caught up: nothing more to say.
         assert_eq!(behind.warning(now + WARN_EVERY * 3), None);
         assert_eq!(behind.total, 5);
+    }
+
+    #[test]
+    fn a_lease_that_ran_out_before_its_renewal_is_warned_of() {
+        let now = Instant::now();
+        let ttl = Duration::from_secs(3);
+        let mut behind = Behind::default();
+        behind.late(Duration::from_millis(900), ttl, "a");
+        behind.ran_out(&super::Holds::Set(Arc::from(Vec::new())), ttl);
+        let warning = behind.warning(now).expect("warned at once");
+        assert_eq!((warning.late, warning.ran_out), (1, 1));
+        assert_eq!(warning.least_left, Duration::ZERO);
     }
 
     fn drain(schedule: &mut Schedule, limit: Instant) -> Vec<u64> {

@@ -284,22 +284,18 @@ impl History {
         ));
     }
 
-    /// `guard` was just granted: check it against everyone inside.
-    fn enter(self: &Arc<Self>, who: &str, key: &str, kind: Kind, guard: &impl Granted) -> Entry {
-        self.enter_asked(who, key, kind, guard, None)
-    }
-
-    /// `enter`, for a request that began at `asked`, when more than the acquisition stands
-    /// between the two (a campaign announces its leader after taking the lock): the fencing
-    /// check compares with the holds that left before the request began, not before its
-    /// guard's `waited()`.
-    fn enter_asked(
+    /// `guard` was just granted, for a request made at `asked`: check it against everyone
+    /// inside. The fencing check compares with the holds that left before the request was
+    /// made (not before the guard's `waited()`, which is fixed when the guard is built: a
+    /// starved task may enter here well after, and more than the acquisition may stand
+    /// between the two, as when a campaign announces its leader after taking the lock).
+    fn enter(
         self: &Arc<Self>,
         who: &str,
         key: &str,
         kind: Kind,
         guard: &impl Granted,
-        asked: Option<Instant>,
+        asked: Instant,
     ) -> Entry {
         let now = Instant::now();
         let valid_until = now + guard.remaining();
@@ -413,20 +409,8 @@ impl History {
             self.violation(format!("overlap: {who}: {conflict}"));
         }
         if let Some(fence) = fence {
-            // When the request began: `waited()` is fixed when the guard is built, and a
-            // starved task may enter here well after that, so it alone would place the start
-            // too late (and count holds that left after the fence was drawn as earlier). The
-            // lease says when the granting attempt was sent (its end, less the ttl), which
-            // bounds the draw from below; a caller that knows when it asked says so too.
             let began = now - guard.waited();
-            let sent = (now + guard.remaining()).checked_sub(guard.ttl());
-            let began = sent.map_or(began, |sent| began.min(sent));
-            self.fenced(
-                who,
-                key,
-                fence,
-                asked.map_or(began, |asked| asked.min(began)),
-            );
+            self.fenced(who, key, fence, asked.min(began));
         }
         Entry {
             history: self.clone(),
@@ -437,7 +421,13 @@ impl History {
 
     /// The set `guard` was just granted: a hold of each of its `keys` (key, owner, kind), each
     /// checked against everyone inside as a single hold is.
-    fn enter_set(self: &Arc<Self>, who: &str, holds: &[SetHold], guard: &MultiGuard) -> SetEntry {
+    fn enter_set(
+        self: &Arc<Self>,
+        who: &str,
+        holds: &[SetHold],
+        guard: &MultiGuard,
+        asked: Instant,
+    ) -> SetEntry {
         let entries = holds
             .iter()
             .enumerate()
@@ -447,7 +437,7 @@ impl History {
                     hold,
                     first: at == 0,
                 };
-                self.enter(who, hold.key, hold.kind, &grant)
+                self.enter(who, hold.key, hold.kind, &grant, asked)
             })
             .collect();
         let mut state = self.lock();
@@ -1152,8 +1142,7 @@ async fn take(
     };
     match result {
         Ok(Some(guard)) => {
-            let entry =
-                (world.history).enter_asked(who, plan.key, plan.held_as(), &guard, Some(asked));
+            let entry = (world.history).enter(who, plan.key, plan.held_as(), &guard, asked);
             if plan.fair {
                 entry.uncapped();
             }
@@ -1217,14 +1206,13 @@ async fn annotated(
     world: &World,
     key: &'static str,
     depth: u32,
+    asked: Instant,
 ) -> Result<(), LockError> {
-    let _entry = world
-        .history
-        .enter("annotated", key, Kind::Exclusive, guard);
+    let _entry = (world.history).enter("annotated", key, Kind::Exclusive, guard, asked);
     world.check_lease(locks, key, Kind::Exclusive, guard).await;
     if depth > 0 {
         // Re-enters its own lock: a nested hold of the same owner.
-        Box::pin(annotated(locks, world, key, depth - 1)).await?;
+        Box::pin(annotated(locks, world, key, depth - 1, asked)).await?;
     }
     tokio::task::yield_now().await;
     Ok(())
@@ -1342,13 +1330,13 @@ async fn program(world: World, locks: LockManager, who: String, seed: u64, ops: 
             70..=77 => {
                 let depth = rng.u32(..3);
                 let results = if rng.bool() {
-                    let alone = annotated(&locks, &world, plan.key, depth);
+                    let alone = annotated(&locks, &world, plan.key, depth, Instant::now());
                     vec![world.bounded("annotated", alone).await]
                 } else {
                     let both = async {
                         tokio::join!(
-                            annotated(&locks, &world, plan.key, depth),
-                            annotated(&locks, &world, plan.key, 0)
+                            annotated(&locks, &world, plan.key, depth, Instant::now()),
+                            annotated(&locks, &world, plan.key, 0, Instant::now())
                         )
                     };
                     let (a, b) = world.bounded("annotated siblings", both).await.unzip();
@@ -1366,8 +1354,9 @@ async fn program(world: World, locks: LockManager, who: String, seed: u64, ops: 
             78..=85 => {
                 let cancel_after = Duration::from_micros(rng.u64(0..3_000));
                 let request = plan.request(&locks).wait(Duration::from_millis(50));
+                let asked = Instant::now();
                 if let Ok(Ok(guard)) = tokio::time::timeout(cancel_after, request.acquire()).await {
-                    let entry = world.history.enter(&who, plan.key, plan.kind, &guard);
+                    let entry = (world.history).enter(&who, plan.key, plan.kind, &guard, asked);
                     leave(&world, guard, entry, &mut rng, faults).await;
                 }
             }
@@ -1422,10 +1411,10 @@ async fn take_set(
         .filter(|&key| inside.iter().all(|held| held.key != key))
         .collect();
     let attempt = plan.request(locks);
+    let asked = Instant::now();
     let result = if let Some(wait) = plan.wait {
         let waiting = (!fresh.is_empty())
             .then(|| world.history.waits_all(&format!("{who} {plan:?}"), &fresh));
-        let asked = Instant::now();
         let result = world.bounded("acquire of a set", attempt.acquire()).await;
         drop(waiting);
         let took = asked.elapsed();
@@ -1450,7 +1439,7 @@ async fn take_set(
                     guard.keys()
                 ));
             }
-            let entry = enter_set(world, who, &keys, inside, &guard);
+            let entry = enter_set(world, who, &keys, inside, &guard, asked);
             world.check_set_lease(locks, &fresh, &guard).await;
             Some((guard, entry))
         }
@@ -1468,12 +1457,14 @@ async fn take_set(
 
 /// Records the set `guard` of `keys`, taken inside `inside`: a key held there is re-entered
 /// (its outer hold's owner holds it), every other key is an exclusive hold of the set's token.
+/// `asked`: when the request was made.
 fn enter_set(
     world: &World,
     who: &str,
     keys: &[&'static str],
     inside: &[Inside],
     guard: &MultiGuard,
+    asked: Instant,
 ) -> SetEntry {
     let holds: Vec<SetHold> = keys
         .iter()
@@ -1492,7 +1483,7 @@ fn enter_set(
             },
         })
         .collect();
-    world.history.enter_set(who, &holds, guard)
+    world.history.enter_set(who, &holds, guard, asked)
 }
 
 /// Leaves a set: the exits are recorded, then the guard released (or dropped, or its release
@@ -1561,9 +1552,10 @@ async fn annotated_set(
     second: &'static str,
     inside: &[Inside],
     depth: u32,
+    asked: Instant,
 ) -> Result<(), LockError> {
     let keys = [first, second];
-    let _entry = enter_set(world, "annotated set", &keys, inside, guard);
+    let _entry = enter_set(world, "annotated set", &keys, inside, guard, asked);
     if depth > 0 {
         // Re-enters its own locks: nested holds of the same owners.
         let inside = Inside::and_set(inside, guard, &keys);
@@ -1574,6 +1566,7 @@ async fn annotated_set(
             second,
             &inside,
             depth - 1,
+            asked,
         ))
         .await?;
     }
@@ -1814,11 +1807,12 @@ async fn annotated_sets(
     let inside_a_hold = rng.bool();
     let result = distlock::scope(async {
         if !inside_a_hold {
-            return Some(annotated_set(locks, world, first, second, &[], depth).await);
+            let asked = Instant::now();
+            return Some(annotated_set(locks, world, first, second, &[], depth, asked).await);
         }
         let (guard, entry) = take(world, locks, who, outer, faults).await?;
         let inside = [Inside::single(first, Kind::Exclusive, &guard)];
-        let call = annotated_set(locks, world, first, second, &inside, depth);
+        let call = annotated_set(locks, world, first, second, &inside, depth, Instant::now());
         let result = world.bounded("annotated set", call).await;
         leave(world, guard, entry, rng, faults).await;
         result
@@ -1843,8 +1837,9 @@ async fn set_cancelled(
 ) {
     let cancel_after = Duration::from_micros(rng.u64(0..3_000));
     let request = plan.request(locks).wait(Duration::from_millis(50));
+    let asked = Instant::now();
     if let Ok(Ok(guard)) = tokio::time::timeout(cancel_after, request.acquire()).await {
-        let entry = enter_set(world, who, &plan.keys(), &[], &guard);
+        let entry = enter_set(world, who, &plan.keys(), &[], &guard, asked);
         leave_set(world, guard, entry, rng, faults).await;
     }
 }
@@ -1919,7 +1914,7 @@ async fn elect(
     };
     let key = format!("election:{}", plan.key);
     let guard = leadership.guard();
-    let entry = (world.history).enter_asked(who, &key, Kind::Exclusive, guard, Some(asked));
+    let entry = (world.history).enter(who, &key, Kind::Exclusive, guard, asked);
     let term = leadership.term();
     world.history.term(who, &key, term, asked);
     work(leadership.guard(), &entry, rng).await;

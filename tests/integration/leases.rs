@@ -517,6 +517,22 @@ async fn a_watchdog_falling_behind_warns_before_any_lease_is_lost() {
         .build()
         .await
         .unwrap();
+    // The watchdog's connection is opened first (renewing a short lease), so that the
+    // renewal below waits for the paused server's answer rather than for a connection.
+    let warm = locks
+        .lock("behind:warm")
+        .ttl(Duration::from_millis(300))
+        .watchdog(true)
+        .acquire()
+        .await
+        .unwrap();
+    let warmed = Instant::now();
+    while locks.stats().leases_renewed == 0 {
+        assert!(warmed.elapsed() < Duration::from_secs(5), "never renewed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    warm.release().await.unwrap();
+    let renewals_before = locks.stats().renewal_round_trips;
     let ttl = Duration::from_secs(3);
     let take = |key: &'static str| locks.lock(key).ttl(ttl).watchdog(true).acquire();
     // Renewals are planned a third of the lease in; the second lease's falls more than the
@@ -528,7 +544,7 @@ async fn a_watchdog_falling_behind_warns_before_any_lease_is_lost() {
     server.pause().unwrap();
     // The first renewal goes out and waits for the server; the second lease's renewal is due
     // meanwhile and waits behind it.
-    while locks.stats().renewal_round_trips == 0 {
+    while locks.stats().renewal_round_trips == renewals_before {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // Resumed once the second lease has less than half left, well before it runs out.

@@ -62,8 +62,10 @@ async fn the_manager_follows_a_failover() {
     assert_eq!(on_new_master, ":1");
     assert!(replica.command(&["ROLE"]).unwrap().starts_with("master"));
     guard.release().await.unwrap();
+    // The Sentinels notice the death and elect within a few seconds; on a busy machine, where
+    // they share the cores with the suite, allow twice that.
     assert!(
-        recovered < Duration::from_secs(5),
+        recovered < Duration::from_secs(10),
         "acquisitions worked again after {recovered:?}"
     );
 }

@@ -140,8 +140,12 @@ impl RedLock {
     }
 
     /// Gives back a grant that does not stand, on every node: waits up to `limit` for the
-    /// answers, and leaves a slower node's release to finish in the background instead of
-    /// dropping it (a dropped one could leave that node's copy until its lease ends).
+    /// answers, and leaves a slower node's release to finish on the caller's runtime instead
+    /// of dropping it (a dropped one could leave that node's copy until its lease ends).
+    ///
+    /// Never sent again later: the request's next attempt carries the same token, and a
+    /// late copy of this give-back would take away what that attempt won. Whatever is left
+    /// when the request ends is the request's cover's to give back.
     async fn give_back(&self, ids: HoldIds, limit: Duration) {
         let ids = Arc::new(ids);
         let mut pending: FuturesUnordered<_> = self
@@ -152,57 +156,58 @@ impl RedLock {
                 async move { node.release(&ids, Duration::ZERO).await }
             })
             .collect();
-        let mut failed = false;
-        let answered = async {
-            while let Some(answer) = pending.next().await {
-                failed |= answer.is_err();
-            }
-        };
-        let in_time = tokio::time::timeout(limit, answered).await.is_ok();
-        if !in_time || failed {
-            self.finish_in_background(pending, failed, ids, Duration::ZERO);
+        let answered = async { while pending.next().await.is_some() {} };
+        if tokio::time::timeout(limit, answered).await.is_err()
+            && let Ok(runtime) = runtime::Handle::try_current()
+        {
+            drop(runtime.spawn(async move { while pending.next().await.is_some() {} }));
         }
     }
 
-    /// Lets `pending`, releases of `ids` still out on some masters, finish on the caller's
-    /// runtime, whose connections carry them (behind whatever went to the same master
-    /// before). Unless they all answer, `ids` is given back once more on every master from
-    /// the manager's runtime, once the sockets can no longer deliver anything sent before:
-    /// the caller's runtime may go away first (and its connections with it), a master may
-    /// have failed (`failed`: one did already). A second release of a hold that is gone does
-    /// nothing.
+    /// Lets `pending`, the releases of a finished hold (`ids`) still out on some masters,
+    /// finish on the caller's runtime, whose connections carry them behind whatever went to
+    /// the same master before. A master that does not answer (`answered` says which did: the
+    /// caller's runtime may go away first, and its connections with it, or the master failed)
+    /// is sent the release once more from the manager's runtime, once its socket can deliver
+    /// nothing sent before. The hold's token is its own (no later request carries it), so a
+    /// second release can only find it gone.
     fn finish_in_background<F>(
         &self,
         mut pending: FuturesUnordered<F>,
-        failed: bool,
+        mut answered: Vec<bool>,
         ids: Arc<HoldIds>,
-        keep: Duration,
+        keep_until: Option<std::time::Instant>,
     ) where
-        F: Future<Output = RedisResult<bool>> + Send + 'static,
+        F: Future<Output = (usize, RedisResult<bool>)> + Send + 'static,
     {
         let sent = std::time::Instant::now();
-        let (answered, answer) = tokio::sync::oneshot::channel::<()>();
+        let (told, heard) = tokio::sync::oneshot::channel::<Vec<bool>>();
         let stragglers = async move {
-            let mut ok = !failed;
-            while let Some(answer) = pending.next().await {
-                ok &= answer.is_ok();
+            while let Some((at, answer)) = pending.next().await {
+                answered[at] = answer.is_ok();
             }
-            if ok {
-                let _ = answered.send(());
-            }
+            let _ = told.send(answered);
         };
         if let Ok(runtime) = runtime::Handle::try_current() {
             drop(runtime.spawn(stragglers));
         }
         let (nodes, late) = (self.nodes.clone(), self.shared.late);
         drop(self.shared.background.spawn(async move {
-            if answer.await.is_ok() {
+            // Nothing heard: the caller's runtime went away with the stragglers.
+            let answered = heard.await.unwrap_or_default();
+            let unanswered: Vec<&Node> = (nodes.iter().enumerate())
+                .filter(|(at, _)| !answered.get(*at).copied().unwrap_or(false))
+                .map(|(_, node)| node)
+                .collect();
+            if unanswered.is_empty() {
                 return;
             }
             tokio::time::sleep_until((sent + late).into()).await;
-            // What is left of a `min_hold`, counted from the first release.
-            let keep = keep.saturating_sub(sent.elapsed());
-            join_all(nodes.iter().map(|node| node.release(&ids, keep))).await;
+            // What is left of a `min_hold`.
+            let keep = keep_until.map_or(Duration::ZERO, |until| {
+                until.saturating_duration_since(std::time::Instant::now())
+            });
+            join_all(unanswered.into_iter().map(|node| node.release(&ids, keep))).await;
         }));
     }
 
@@ -214,26 +219,28 @@ impl RedLock {
     pub(crate) async fn release(&self, ids: &HoldIds, keep: Duration) -> RedisResult<bool> {
         // One copy of the ids for all masters (the stragglers may outlive the caller).
         let shared = Arc::new(ids.clone());
-        let mut pending: FuturesUnordered<_> = self
-            .nodes
-            .iter()
-            .map(|node| {
+        let keep_until = (!keep.is_zero()).then(|| std::time::Instant::now() + keep);
+        let mut pending: FuturesUnordered<_> = (self.nodes.iter().enumerate())
+            .map(|(at, node)| {
                 let (node, ids) = (node.clone(), shared.clone());
-                async move { node.release(&ids, keep).await }
+                async move { (at, node.release(&ids, keep).await) }
             })
             .collect();
         // Lost only when a majority positively did not hold it: a node that is down, or one
         // that never granted this hold, is not evidence that the lease ended.
-        let (mut tally, mut not_held, mut failed) = (self.tally(), 0, false);
-        while let Some(answer) = pending.next().await {
-            failed |= answer.is_err();
+        let (mut tally, mut not_held) = (self.tally(), 0);
+        let mut answered = vec![false; self.nodes.len()];
+        while let Some((at, answer)) = pending.next().await {
+            answered[at] = answer.is_ok();
             if let Some(released) = tally.count(answer) {
                 not_held += usize::from(!released);
             }
             if tally.settled(not_held, pending.len()) && !pending.is_empty() {
-                self.finish_in_background(pending, failed, shared, keep);
                 break;
             }
+        }
+        if !pending.is_empty() || answered.contains(&false) {
+            self.finish_in_background(pending, answered, shared, keep_until);
         }
         let held = !tally.majority(not_held);
         tally.outcome(held)
