@@ -898,12 +898,13 @@ impl KeyState {
 }
 
 impl Ticket {
-    /// A fair waiter: completes when a grant to it (or a release worth asking after) was
-    /// heard since it last completed. Pending for other waiters.
-    pub(crate) async fn signalled(&self) {
+    /// Completes at the next wake-up meant for this waiter: for a fair waiter, a grant to it
+    /// (or a release worth asking after) heard since it last completed; for any other, the
+    /// first wake-up after `seen` (at once if one already came).
+    pub(crate) async fn woken(&self, seen: u64) {
         match &self.signal {
             Some(signal) => signal.notified().await,
-            None => std::future::pending().await,
+            None => self.woken_since(seen).await,
         }
     }
 
@@ -912,8 +913,12 @@ impl Ticket {
         self.key.lock_queue().head() == Some(self.id)
     }
 
-    /// Waits until this ticket is at the head of its queue.
+    /// Waits until this ticket is at the head of its queue. A fair waiter's turn is kept in
+    /// Redis: it waits for no local head.
     pub(crate) async fn until_head(&self) {
+        if self.signal.is_some() {
+            return;
+        }
         loop {
             let turn = self.turn.notified();
             if self.key.lock_queue().head() == Some(self.id) {
@@ -990,7 +995,7 @@ impl Ticket {
     }
 
     /// Completes at the first wake-up after `seen` (at once if one already came).
-    pub(crate) async fn woken_since(&self, seen: u64) {
+    async fn woken_since(&self, seen: u64) {
         loop {
             let notified = self.key.wake.notified();
             if self.wakes() != seen {

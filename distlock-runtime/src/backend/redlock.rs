@@ -14,7 +14,7 @@ use futures_util::stream::FuturesUnordered;
 use redis::{RedisError, RedisResult};
 use tokio::runtime;
 
-use super::hold::{AcquireRequest, Attempt, HoldIds, HoldRef, Renewal};
+use super::hold::{AcquireAnswer, AcquireRequest, HoldIds, HoldRef, Renewal};
 use super::node::Node;
 use super::pool::{ConnectOptions, bounded};
 
@@ -75,7 +75,7 @@ impl RedLock {
     }
 
     /// One acquire attempt.
-    pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
+    pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<AcquireAnswer> {
         let limit = node_limit(req.lease);
         let started = std::time::Instant::now();
         let answers = self
@@ -88,15 +88,16 @@ impl RedLock {
         let mut holder: Option<[u64; 2]> = None;
         for attempt in answers.into_iter().filter_map(|answer| tally.count(answer)) {
             match attempt {
-                Attempt::Held { fence: f } => {
+                AcquireAnswer::Held(f) => {
                     held += 1;
                     fence = fence.max(f);
                 }
                 // Semaphores are not available with several masters: no mismatch comes here.
-                Attempt::Unreplicated { .. } | Attempt::PermitsMismatch { .. } => {}
-                Attempt::Busy {
+                AcquireAnswer::Unreplicated { .. } | AcquireAnswer::PermitsMismatch { .. } => {}
+                AcquireAnswer::Busy {
                     holder_ttl,
                     holder: named,
+                    ..
                 } => {
                     holder = holder.or(named);
                     // A master whose copy is gone since (another waiter's minority grant,
@@ -108,7 +109,7 @@ impl RedLock {
             }
         }
         if tally.granted(held, elapsed, req.lease) {
-            return Ok(Attempt::Held { fence });
+            return Ok(AcquireAnswer::Held(fence));
         }
         // Not held: give back whatever was granted, on every node, before answering.
         if tally.maybe_granted(held) {
@@ -117,7 +118,8 @@ impl RedLock {
                 .await;
         }
         // Too few answers to call it busy: report why.
-        tally.outcome(Attempt::Busy {
+        tally.outcome(AcquireAnswer::Busy {
+            at: 0,
             holder_ttl: busy_for,
             holder,
         })
