@@ -105,7 +105,7 @@ MUTATIONS = [
      [(RT + "waiters.rs", "true => (bounds.passes, bounds.time.min(lease / 10)),",
        "true => (u32::MAX, Duration::MAX),")]),
     ("waiters: a lock passes to a waiter that asked for another lease", "cohorts",
-     [(RT + "waiters.rs", "                && offer.lease == lease\n", "")]),
+     [(RT + "waiters.rs", " && offer.lease == lease && passable.remaining", " && passable.remaining")]),
     ("acquire.lua: the fencing counter does not grow", "exclusive",
      [(LUA + "acquire.lua", "    fence = redis.call('incr', KEYS[2])\n    redis.call('hset', lock, token, 1, 'fence', fence)",
        "    fence = redis.call('incr', KEYS[2]) % 3 + 1\n    redis.call('hset', lock, token, 1, 'fence', fence)")]),

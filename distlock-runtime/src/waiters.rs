@@ -459,13 +459,10 @@ impl Waiters {
         }
     }
 
-    /// What a release of the lock behind `channel` by this manager should do: hand it to the
-    /// local head's standing offer while the run of hand-offs is short, or release it. The
-    /// offer taken is gone from the queue: its waiter finds it taken and waits for the outcome.
-    ///
-    /// Only an offer stands aside other processes, and only once its hand-off has landed: a
-    /// head that cannot take a hand-off (another kind, a set, a fair or fenced request) or is
-    /// asking the server itself leaves the release to everyone, with its wake-up.
+    /// What a release of the lock behind `channel` by this manager should do (see
+    /// [`choose`]): hand it to the local head's standing offer while the run of hand-offs is
+    /// short, or release it. The offer taken is gone from the queue: its waiter finds it
+    /// taken and waits for the outcome.
     pub(crate) fn next(&self, channel: &str, lease: Duration, passable: Option<Passable>) -> Next {
         let Some(key) = self.shared.lock_keys().get(channel).cloned() else {
             return Next::Release;
@@ -477,68 +474,46 @@ impl Waiters {
             .iter_mut()
             .find(|entry| entry.fair.is_none())
             .and_then(|head| head.offer.take_if(|offer| !offer.handed.is_closed()));
-        let Some(offer) = offer else {
-            // A release to everyone ends any run of hand-offs.
-            queue.chain = None;
-            if passable.is_some() && queue.entries.is_empty() {
-                let until = Instant::now() + LINGER;
-                queue.linger_until = Some(until);
-                drop(queue);
-                let shared = self.shared.clone();
-                let lingering = key.clone();
-                key.driver.spawn(async move {
-                    tokio::time::sleep_until(until.into()).await;
-                    shared.forget_if_idle(&lingering);
-                });
-                return Next::Release;
-            }
-            let idle = queue.is_idle();
-            drop(queue);
-            if idle {
-                self.shared.forget_if_idle(&key);
-            }
-            return Next::Release;
-        };
-        let now = Instant::now();
-        let bounds = self.shared.cohort;
-        // Passed as it is only to a waiter that asked for the very lease the hold has (so the
-        // watchdog renews it to what the waiter asked, and it never outlives what the waiter
-        // agreed to), while at least half of it is left; otherwise the server hand-off gives
-        // the waiter a lease of its own. A run is bounded by what its hand-offs are.
-        let pass = passable.is_some_and(|passable| {
-            offer.cohort
-                && bounds.passes > 0
-                && offer.lease == lease
-                && passable.remaining >= lease / 2
+        let terms = offer.as_ref().map(|offer| Terms {
+            lease: offer.lease,
+            cohort: offer.cohort,
         });
-        let (most, longest) = match pass {
-            true => (bounds.passes, bounds.time.min(lease / 10)),
-            false => (CHAIN, SLICE.min(lease / 10)),
-        };
-        // The run's own count and age bound it too: the queue's chain starts afresh when its
-        // last waiter leaves (the holders of a run may all be inside or releasing), while
-        // the run it counted goes on.
-        let run_over = pass
-            && passable.is_some_and(|passable| {
-                passable.passes >= most
-                    || passable
-                        .run_began
-                        .is_some_and(|began| now.duration_since(began) >= longest)
-            });
-        let (count, since) = queue.chain.get_or_insert((0, now));
-        if run_over || *count >= most || now.duration_since(*since) >= longest {
-            queue.chain = None;
-            // The offer goes back to its waiter, which hears the release like everyone else.
-            if let Some(head) = queue.entries.iter_mut().find(|entry| entry.fair.is_none()) {
-                head.offer = Some(offer);
+        let bounds = self.shared.cohort;
+        let (choice, chain) = choose(terms, queue.chain, lease, passable, bounds, Instant::now());
+        queue.chain = chain;
+        let offer = match (choice, offer) {
+            (Choice::HandOff, Some(offer)) => return Next::HandOff(offer),
+            (Choice::Pass, Some(offer)) => return Next::Pass(offer),
+            (Choice::Yield, offer) => {
+                // The offer goes back to its waiter, which hears the release like everyone
+                // else.
+                let head = queue.entries.iter_mut().find(|entry| entry.fair.is_none());
+                if let Some(head) = head {
+                    head.offer = offer;
+                }
+                return Next::Yield;
             }
-            return Next::Yield;
+            (Choice::Release | Choice::HandOff | Choice::Pass, offer) => offer,
+        };
+        debug_assert!(offer.is_none(), "a release to everyone takes no offer");
+        if passable.is_some() && queue.entries.is_empty() {
+            let until = Instant::now() + LINGER;
+            queue.linger_until = Some(until);
+            drop(queue);
+            let shared = self.shared.clone();
+            let lingering = key.clone();
+            key.driver.spawn(async move {
+                tokio::time::sleep_until(until.into()).await;
+                shared.forget_if_idle(&lingering);
+            });
+            return Next::Release;
         }
-        *count += 1;
-        match pass {
-            true => Next::Pass(offer),
-            false => Next::HandOff(offer),
+        let idle = queue.is_idle();
+        drop(queue);
+        if idle {
+            self.shared.forget_if_idle(&key);
         }
+        Next::Release
     }
 
     /// A run of hand-offs ended with a release to everyone that `heard` subscribers heard.
@@ -602,6 +577,76 @@ impl Waiters {
             key.woken();
             self.shared.forget_if_idle(&key);
         }
+    }
+}
+
+/// What a standing offer asks for: the lease its waiter would take the lock with, and
+/// whether the waiter may take it by a local pass.
+#[derive(Debug, Clone, Copy)]
+struct Terms {
+    lease: Duration,
+    cohort: bool,
+}
+
+/// What a release does about the local waiters of its key (see [`Next`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Choice {
+    Release,
+    HandOff,
+    Pass,
+    Yield,
+}
+
+/// What a release of a lock whose lease is `lease` does, given the local head's standing
+/// `offer` (none: nobody here stands ready), the run of hand-offs so far (`chain`: how many,
+/// since when), what the releasing holder may pass (`passable`) and the cohort's bounds;
+/// and the run of hand-offs after it.
+///
+/// Only an offer stands aside other processes, and only once its hand-off has landed: a
+/// head that cannot take a hand-off (another kind, a set, a fair or fenced request) or is
+/// asking the server itself leaves the release to everyone, with its wake-up. A release to
+/// everyone ends any run of hand-offs.
+fn choose(
+    offer: Option<Terms>,
+    chain: Option<(u32, Instant)>,
+    lease: Duration,
+    passable: Option<Passable>,
+    bounds: CohortBounds,
+    now: Instant,
+) -> (Choice, Option<(u32, Instant)>) {
+    let Some(offer) = offer else {
+        return (Choice::Release, None);
+    };
+    // Passed as it is only to a waiter that asked for the very lease the hold has (so the
+    // watchdog renews it to what the waiter asked, and it never outlives what the waiter
+    // agreed to), while at least half of it is left; otherwise the server hand-off gives
+    // the waiter a lease of its own. A run is bounded by what its hand-offs are.
+    let pass = passable.is_some_and(|passable| {
+        offer.cohort && bounds.passes > 0 && offer.lease == lease && passable.remaining >= lease / 2
+    });
+    let (most, longest) = match pass {
+        true => (bounds.passes, bounds.time.min(lease / 10)),
+        false => (CHAIN, SLICE.min(lease / 10)),
+    };
+    // The run's own count and age bound it too: the queue's chain starts afresh when its
+    // last waiter leaves (the holders of a run may all be inside or releasing), while
+    // the run it counted goes on.
+    let run_over = pass
+        && passable.is_some_and(|passable| {
+            passable.passes >= most
+                || passable
+                    .run_began
+                    .is_some_and(|began| now.duration_since(began) >= longest)
+        });
+    let (count, since) = chain.unwrap_or((0, now));
+    if run_over || count >= most || now.duration_since(since) >= longest {
+        // The run of hand-offs is over: other processes' turns come.
+        return (Choice::Yield, None);
+    }
+    let chain = Some((count + 1, since));
+    match pass {
+        true => (Choice::Pass, chain),
+        false => (Choice::HandOff, chain),
     }
 }
 
@@ -1291,5 +1336,150 @@ impl Releaser {
         let _ = offer
             .handed
             .send(Handed::new(sent, self.clone(), next, None));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LEASE: Duration = Duration::from_secs(10);
+
+    fn offer(lease: Duration, cohort: bool) -> Option<Terms> {
+        Some(Terms { lease, cohort })
+    }
+
+    /// A holder with `remaining` of its lease left, `passes` from the server's grant, whose
+    /// run began at `run_began`.
+    fn holder(remaining: Duration, passes: u32, run_began: Option<Instant>) -> Option<Passable> {
+        Some(Passable {
+            remaining,
+            passes,
+            run_began,
+        })
+    }
+
+    fn bounds() -> CohortBounds {
+        CohortBounds::default()
+    }
+
+    #[test]
+    fn a_release_with_nobody_ready_goes_to_everyone_and_ends_the_run() {
+        let now = Instant::now();
+        for passable in [None, holder(LEASE, 0, None)] {
+            let chosen = choose(None, Some((2, now)), LEASE, passable, bounds(), now);
+            assert_eq!(chosen, (Choice::Release, None));
+        }
+    }
+
+    #[test]
+    fn a_ready_head_is_handed_the_lock_through_the_server() {
+        let now = Instant::now();
+        // The holder may not pass (fenced, min_hold, opted out), or the waiter may not take
+        // a pass, or asked for another lease, or too little of the lease is left.
+        let cases = [
+            (offer(LEASE, true), None),
+            (offer(LEASE, false), holder(LEASE, 0, None)),
+            (offer(LEASE * 2, true), holder(LEASE, 0, None)),
+            (
+                offer(LEASE, true),
+                holder(LEASE / 2 - Duration::from_millis(1), 0, None),
+            ),
+        ];
+        for (terms, passable) in cases {
+            let chosen = choose(terms, None, LEASE, passable, bounds(), now);
+            assert_eq!(
+                chosen,
+                (Choice::HandOff, Some((1, now))),
+                "{terms:?} {passable:?}"
+            );
+        }
+        // Nor when the manager passes nothing.
+        let none = CohortBounds {
+            passes: 0,
+            ..bounds()
+        };
+        let chosen = choose(
+            offer(LEASE, true),
+            None,
+            LEASE,
+            holder(LEASE, 0, None),
+            none,
+            now,
+        );
+        assert_eq!(chosen.0, Choice::HandOff);
+    }
+
+    #[test]
+    fn a_ready_head_that_asked_for_the_same_lease_is_passed_the_hold() {
+        let now = Instant::now();
+        let chosen = choose(
+            offer(LEASE, true),
+            Some((3, now)),
+            LEASE,
+            holder(LEASE / 2, 3, Some(now)),
+            bounds(),
+            now,
+        );
+        assert_eq!(chosen, (Choice::Pass, Some((4, now))));
+    }
+
+    #[test]
+    fn a_run_of_hand_offs_yields_at_its_count_or_its_age() {
+        let now = Instant::now();
+        let terms = offer(LEASE, false);
+        let last = choose(terms, Some((CHAIN - 1, now)), LEASE, None, bounds(), now);
+        assert_eq!(last.0, Choice::HandOff);
+        let over = choose(terms, Some((CHAIN, now)), LEASE, None, bounds(), now);
+        assert_eq!(over, (Choice::Yield, None));
+        let old = now - SLICE;
+        let aged = choose(terms, Some((1, old)), LEASE, None, bounds(), now);
+        assert_eq!(aged, (Choice::Yield, None));
+        // A short lease makes the slice a tenth of it.
+        let short = Duration::from_millis(100);
+        let since = now - Duration::from_millis(10);
+        let chosen = choose(
+            offer(short, false),
+            Some((1, since)),
+            short,
+            None,
+            bounds(),
+            now,
+        );
+        assert_eq!(chosen.0, Choice::Yield);
+    }
+
+    #[test]
+    fn a_run_of_passes_yields_at_the_cohort_bounds_or_the_runs_own() {
+        let now = Instant::now();
+        let terms = offer(LEASE, true);
+        let bounds = bounds();
+        let fresh = holder(LEASE, 0, None);
+        // The queue's count and age.
+        let counted = choose(terms, Some((bounds.passes, now)), LEASE, fresh, bounds, now);
+        assert_eq!(counted, (Choice::Yield, None));
+        let aged = choose(
+            terms,
+            Some((1, now - bounds.time)),
+            LEASE,
+            fresh,
+            bounds,
+            now,
+        );
+        assert_eq!(aged, (Choice::Yield, None));
+        // The run's own, when the queue's chain started afresh.
+        let many = holder(LEASE, bounds.passes, Some(now));
+        assert_eq!(
+            choose(terms, None, LEASE, many, bounds, now).0,
+            Choice::Yield
+        );
+        let long = holder(LEASE, 1, Some(now - bounds.time));
+        assert_eq!(
+            choose(terms, None, LEASE, long, bounds, now).0,
+            Choice::Yield
+        );
+        // Within them, it passes; past the hand-offs' own count, still.
+        let within = choose(terms, Some((CHAIN, now)), LEASE, fresh, bounds, now);
+        assert_eq!(within.0, Choice::Pass);
     }
 }
