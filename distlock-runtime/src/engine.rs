@@ -252,8 +252,8 @@ impl<'a, A: Ask> Engine<'a, A> {
                     heard = None;
                 }
                 Step::Sleep { until } => {
-                    // Not asked: a task of this manager holds the lock now, whoever the
-                    // server named before.
+                    // Not asked (a task of this manager holds the lock, or this manager
+                    // sits out): the holder the server named before may hold it no more.
                     if heard.take().is_none() {
                         self.holder = None;
                     }
