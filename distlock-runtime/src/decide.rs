@@ -1,26 +1,23 @@
-//! The acquire loop's decisions, as pure functions of what the server answered, the
-//! request's bounds, the attempts so far and the time: what the loop does next. The loop
-//! (`engine`) carries them out; these are tested here without a server.
+//! The acquire loop's decision: one pure function, [`step`], of what the request knows (its
+//! [`State`]), what it heard (an attempt's answer, or nothing yet) and the time, answering
+//! what the loop does next. The loop (`engine`) carries it out for one lock, a set and a
+//! fair lock alike; where those differ, the difference is a branch here, with its reason.
+//! Tested here without a server.
 
 use std::time::{Duration, Instant};
 
+use crate::backend::{AcquireAnswer, FAIR_REFRESH};
 use crate::retry::Backoff;
 
-/// An attempt's answer, as far as the decision goes.
+/// What kind of request waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Answer {
-    /// The server granted the lock.
-    Granted,
-    /// Another owner holds it, for about this much longer if the server said.
-    Busy { holder_ttl: Option<Duration> },
-    /// An answer that waiting cannot change (a semaphore's count disagrees; too few replicas
-    /// acknowledged a grant that was given back).
-    Refused,
-    /// No answer, or one that says "not now" (a failover, a timeout): the next attempt may
-    /// succeed.
-    Transient,
-    /// An error no retry can fix.
-    Fatal,
+pub(crate) enum Mode {
+    /// One lock, queued behind this manager's other waiters.
+    Plain,
+    /// Several locks taken together: the queue to follow is that of the lock found busy.
+    Set,
+    /// A fair lock: its place is kept in the server's queue, shared by every process.
+    Fair,
 }
 
 /// The bounds a request waits within.
@@ -34,105 +31,213 @@ pub(crate) struct Bounds {
 
 impl Bounds {
     fn spent(&self, attempts: u32, now: Instant) -> bool {
-        attempts > self.retries || self.deadline.is_some_and(|deadline| deadline <= now)
+        attempts > self.retries || self.past(now)
+    }
+
+    fn past(&self, now: Instant) -> bool {
+        self.deadline.is_some_and(|deadline| deadline <= now)
+    }
+
+    /// A request bounded by time, not by a count of attempts.
+    fn by_time(&self) -> bool {
+        self.retries == u32::MAX
     }
 }
 
-/// What the loop does after an answer.
+/// What the request knows when it decides.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct State {
+    pub(crate) mode: Mode,
+    pub(crate) bounds: Bounds,
+    /// Attempts answered (or sent and lost) so far.
+    pub(crate) attempts: u32,
+    /// The lock whose queue the request is in, if it is in one (a fair request: the one
+    /// lock, once its attempts keep a place in the server's queue).
+    pub(crate) queued_at: Option<usize>,
+    /// The lock the last busy answer named (0 before any).
+    pub(crate) busy_at: usize,
+    /// A task of this manager holds the lock, and its release hands the lock to this
+    /// manager's waiters: until when its lease runs, at most.
+    pub(crate) held_here: Option<Instant>,
+    /// Until when this manager's waiters let other processes have their turns, if they do.
+    pub(crate) sitting_out: Option<Instant>,
+    /// A release would reach this waiter: its manager follows the lock's wake channel now.
+    pub(crate) announced: bool,
+}
+
+/// What the loop does next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Step {
+    /// Send an attempt.
+    Ask,
     /// Take the lock: build the guard.
     Grant,
     /// Fail at once with the answer's own error.
     Refuse,
     /// The bounds are spent: give up (busy, unless the last word was a failure).
     GiveUp,
-    /// Join the local queue behind this manager's other waiters, and ask again at once (a
-    /// release between the answer and the subscription would publish unheard).
-    Queue,
-    /// Wait for a wake-up, a hand-off, or this fallback timer, then ask again.
+    /// Join the queue of lock `at` (leaving any other), and ask again as soon as the request
+    /// follows that lock's wake channel: a release between the answer and the subscription
+    /// would publish unheard.
+    Queue { at: usize },
+    /// Wait for a wake-up, a hand-off, or this fallback timer; then look again.
     Sleep { until: Instant },
 }
 
-/// The next step after `answer`, the `attempts`-th answer: `queued` if the request is in its
-/// manager's queue already, `queues` if it may join one (it may wait). `sitting_out`: until
-/// when the local head lets other processes have their turns, if it does.
-pub(crate) fn after(
-    answer: Answer,
-    bounds: Bounds,
+/// The next step: after `heard`, the last attempt's answer, or before an attempt (`None`).
+pub(crate) fn step<F>(
+    state: &State,
+    heard: Option<&redis::RedisResult<AcquireAnswer<F>>>,
     backoff: &Backoff,
-    attempts: u32,
-    queue: (bool, bool),
-    sitting_out: Option<Instant>,
     now: Instant,
 ) -> Step {
-    let (queued, queues) = queue;
-    let holder_ttl = match answer {
-        Answer::Granted => return Step::Grant,
-        Answer::Refused | Answer::Fatal => return Step::Refuse,
-        Answer::Busy { holder_ttl } => holder_ttl,
-        Answer::Transient => None,
+    let Some(answer) = heard else {
+        return before_asking(state, backoff, now);
     };
-    if bounds.spent(attempts, now) {
+    let holder_ttl = match answer {
+        Ok(AcquireAnswer::Held(_)) => return Step::Grant,
+        // Waiting cannot change these: a grant too few replicas acknowledged was given back
+        // already, and a semaphore used with another count is a mistake to report, not a
+        // wait (the count's holders may come and go for ever). Fair locks are exclusive and
+        // never hear of permits.
+        Ok(AcquireAnswer::Unreplicated { .. } | AcquireAnswer::PermitsMismatch { .. }) => {
+            return Step::Refuse;
+        }
+        Ok(AcquireAnswer::Busy { holder_ttl, .. }) => *holder_ttl,
+        // A lost reply may hide a granted lock: the next attempt resends the same hold,
+        // which the script recognises.
+        Err(error) if is_transient(error) => None,
+        Err(_) => return Step::Refuse,
+    };
+    if state.bounds.spent(state.attempts, now) {
         return Step::GiveUp;
     }
-    if !queued && queues {
-        return Step::Queue;
+    // A request that may wait joins a queue the first time it is turned away. A set knows
+    // which lock to wait for only from a busy answer; and a set found busy on another lock
+    // than the one it queued for moves there (a release of that lock before its channel is
+    // followed would leave the set asleep while every lock is free). That lock was free at
+    // this look, so each such move follows a release and is no busy loop.
+    let may_queue = state.bounds.retries > 0
+        && (state.mode != Mode::Set || matches!(answer, Ok(AcquireAnswer::Busy { .. })));
+    if may_queue && state.queued_at != Some(state.busy_at) {
+        return Step::Queue { at: state.busy_at };
     }
-    let holder = Holder {
-        lease: holder_ttl,
-        announced: false,
-    };
-    sleep(bounds, backoff, attempts, holder, sitting_out, now)
+    sleep(state, holder_ttl, backoff, now)
 }
 
-/// What a waiter knows of the lock's holder when it goes to sleep.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Holder {
-    /// How long the lock stays as it is at most, unless a release announces a change: the
-    /// holder's remaining lease (for shares, the first share's), if the server said.
-    pub(crate) lease: Option<Duration>,
-    /// A release would reach this waiter: its manager follows the lock's wake channel now.
-    pub(crate) announced: bool,
+/// Before an attempt: ask, unless asking now could only hear "busy" or would jump the turn
+/// of other processes.
+fn before_asking(state: &State, backoff: &Backoff, now: Instant) -> Step {
+    // No attempt starts past the deadline, but the first is always made.
+    if state.attempts > 0 && state.bounds.past(now) {
+        return Step::GiveUp;
+    }
+    // A task of this manager holds the lock: its release hands it over (or wakes this
+    // head). Its lease bounds the wait, as the holder's PTTL would.
+    if let Some(until) = state.held_here {
+        return sleep(
+            state,
+            Some(until.saturating_duration_since(now)),
+            backoff,
+            now,
+        );
+    }
+    // This manager just had a run of hand-offs: other processes' turns come first.
+    if sit_out_until(state).is_some() {
+        return sleep(state, None, backoff, now);
+    }
+    Step::Ask
 }
 
-/// Until when to wait before asking again, bounded by the request's deadline and by the end
-/// of a sit-out. `GiveUp` when the deadline has passed.
+/// Until when the request lets other processes have their turns, if it does.
+fn sit_out_until(state: &State) -> Option<Instant> {
+    match state.mode {
+        Mode::Plain => state.sitting_out,
+        // A set takes no turns in a cohort's sit-out: it never takes a hand-off, so the
+        // turns it would give were never this manager's to give.
+        Mode::Set => None,
+        // A fair lock's turns are the server's queue, the same for every process.
+        Mode::Fair => None,
+    }
+}
+
+/// Until when to wait before asking again (`lease`: how long the lock stays as it is at
+/// most, unless a release announces a change; the holder's remaining lease, if known),
+/// bounded by the request's deadline and by the end of a sit-out. `GiveUp` when the
+/// deadline has passed.
 ///
-/// A waiter that a release would reach (`holder.announced`) and that waits by time, not by a
+/// A waiter that a release would reach (`announced`) and that waits by time, not by a
 /// count of attempts, sleeps until the holder's lease ends: the lock cannot become free
 /// before that without a release, and every release publishes its wake-up (a lost pub/sub
 /// connection wakes every waiter too). Any other waiter (not subscribed, no lease known, or
 /// spending a number of retries at the backoff's pace) takes the backoff with full jitter,
 /// capped by the holder's lease, since an expiry is announced by nobody.
-pub(crate) fn sleep(
-    bounds: Bounds,
-    backoff: &Backoff,
-    attempts: u32,
-    holder: Holder,
-    sitting_out: Option<Instant>,
-    now: Instant,
-) -> Step {
-    if bounds.deadline.is_some_and(|deadline| deadline <= now) {
+fn sleep(state: &State, lease: Option<Duration>, backoff: &Backoff, now: Instant) -> Step {
+    let (bounds, attempts) = (state.bounds, state.attempts);
+    if bounds.past(now) {
         return Step::GiveUp;
     }
-    let by_time = bounds.retries == u32::MAX;
-    let delay = match holder.lease {
-        Some(lease) if holder.announced && by_time => crate::retry::past_lease(lease),
-        lease => backoff.delay(attempts, lease),
+    let delay = match state.mode {
+        // A fair waiter's place in the server's queue lapses unless its attempts renew it,
+        // so it asks again at least every `FAIR_REFRESH`. A grant is published to it by name,
+        // and a missed one is caught by that renewal, so by time it waits for the holder's
+        // lease to end, subscribed or not, with no backoff.
+        Mode::Fair => match lease {
+            _ if !bounds.by_time() => backoff.delay(attempts, lease),
+            Some(lease) => crate::retry::past_lease(lease),
+            None => FAIR_REFRESH,
+        }
+        .min(FAIR_REFRESH),
+        Mode::Plain | Mode::Set => match lease {
+            Some(lease) if state.announced && bounds.by_time() => crate::retry::past_lease(lease),
+            lease => backoff.delay(attempts, lease),
+        },
     };
     let mut until = crate::lease::saturating_add(now, delay);
-    for bound in [bounds.deadline, sitting_out].into_iter().flatten() {
+    for bound in [bounds.deadline, sit_out_until(state)]
+        .into_iter()
+        .flatten()
+    {
         until = until.min(bound);
     }
     Step::Sleep { until }
+}
+
+/// Errors after which the same attempt may succeed if sent again.
+/// Connection failures, and server answers that say "not now" (TRYAGAIN, CLUSTERDOWN,
+/// MASTERDOWN, LOADING, READONLY during a failover, …): retried within the request's
+/// bounds, and reported as the Redis error they are, never as busy, if the bounds run out.
+pub(crate) fn is_transient(error: &redis::RedisError) -> bool {
+    error.is_io_error()
+        || error.is_timeout()
+        || error.is_connection_dropped()
+        || error.is_connection_refusal()
+        || !matches!(error.retry_method(), redis::RetryMethod::NoRetry)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const BUSY: Answer = Answer::Busy { holder_ttl: None };
+    type Answer = redis::RedisResult<AcquireAnswer<()>>;
+
+    const MODES: [Mode; 3] = [Mode::Plain, Mode::Set, Mode::Fair];
+
+    fn busy(holder_ttl: Option<Duration>) -> Answer {
+        Ok(AcquireAnswer::Busy {
+            at: 0,
+            holder_ttl,
+            holder: None,
+        })
+    }
+
+    fn lost_reply() -> Answer {
+        Err(std::io::Error::other("reset").into())
+    }
+
+    fn fatal() -> Answer {
+        Err((redis::ErrorKind::Client, "refused").into())
+    }
 
     fn bounds(retries: u32, wait: Option<Duration>, now: Instant) -> Bounds {
         Bounds {
@@ -141,130 +246,30 @@ mod tests {
         }
     }
 
+    /// A request of `mode` within `bounds`, after `attempts`, in the queue of lock 0 or not.
+    fn state(mode: Mode, bounds: Bounds, attempts: u32, queued: bool) -> State {
+        State {
+            mode,
+            bounds,
+            attempts,
+            queued_at: queued.then_some(0),
+            busy_at: 0,
+            held_here: None,
+            sitting_out: None,
+            announced: false,
+        }
+    }
+
     fn backoff() -> Backoff {
         Backoff::new(Duration::from_millis(50))
     }
 
-    #[test]
-    fn a_grant_is_taken_whatever_the_bounds() {
-        let now = Instant::now();
-        let spent = bounds(0, Some(Duration::ZERO), now);
-        let step = after(
-            Answer::Granted,
-            spent,
-            &backoff(),
-            9,
-            (true, true),
-            None,
-            now,
-        );
-        assert_eq!(step, Step::Grant);
+    fn after(state: &State, answer: &Answer, now: Instant) -> Step {
+        step(state, Some(answer), &backoff(), now)
     }
 
-    #[test]
-    fn refusals_and_fatal_errors_end_the_request_at_once() {
-        let now = Instant::now();
-        let roomy = bounds(100, None, now);
-        for answer in [Answer::Refused, Answer::Fatal] {
-            let step = after(answer, roomy, &backoff(), 1, (false, true), None, now);
-            assert_eq!(step, Step::Refuse, "{answer:?}");
-        }
-    }
-
-    #[test]
-    fn spent_bounds_give_up_busy_or_failing() {
-        let now = Instant::now();
-        // Retries spent: the first attempt of a request without retries.
-        for answer in [BUSY, Answer::Transient] {
-            let step = after(
-                answer,
-                bounds(0, None, now),
-                &backoff(),
-                1,
-                (false, false),
-                None,
-                now,
-            );
-            assert_eq!(step, Step::GiveUp, "{answer:?}");
-        }
-        // Time spent, retries left.
-        let late = bounds(100, Some(Duration::ZERO), now);
-        assert_eq!(
-            after(BUSY, late, &backoff(), 3, (true, true), None, now),
-            Step::GiveUp
-        );
-        // A deadline passed while the loop was not asking.
-        assert_eq!(
-            sleep(late, &backoff(), 3, Holder::default(), None, now),
-            Step::GiveUp
-        );
-    }
-
-    #[test]
-    fn the_first_busy_answer_queues_and_later_ones_sleep() {
-        let now = Instant::now();
-        let roomy = bounds(100, None, now);
-        assert_eq!(
-            after(BUSY, roomy, &backoff(), 1, (false, true), None, now),
-            Step::Queue
-        );
-        assert!(matches!(
-            after(BUSY, roomy, &backoff(), 2, (true, true), None, now),
-            Step::Sleep { .. }
-        ));
-        // A request that may not queue (no retries) never does.
-        let once = bounds(0, None, now);
-        assert_eq!(
-            after(BUSY, once, &backoff(), 1, (false, false), None, now),
-            Step::GiveUp
-        );
-    }
-
-    #[test]
-    fn a_transient_failure_retries_like_a_busy_answer() {
-        let now = Instant::now();
-        let roomy = bounds(100, None, now);
-        let step = after(
-            Answer::Transient,
-            roomy,
-            &backoff(),
-            2,
-            (true, true),
-            None,
-            now,
-        );
-        assert!(matches!(step, Step::Sleep { .. }));
-    }
-
-    #[test]
-    fn the_timer_is_bounded_by_the_holder_the_deadline_and_a_sit_out() {
-        let now = Instant::now();
-        let long = Backoff::new(Duration::from_secs(3600));
-        let roomy = bounds(100, None, now);
-        let until = |step| match step {
-            Step::Sleep { until } => until,
-            other => panic!("expected a sleep, got {other:?}"),
-        };
-        // The holder's lease ends in 30 ms: nobody announces an expiry.
-        let holder = Holder {
-            lease: Some(Duration::from_millis(30)),
-            announced: false,
-        };
-        let by_holder = until(sleep(roomy, &long, 5, holder, None, now));
-        assert!(by_holder <= now + Duration::from_millis(31));
-        // The deadline comes first.
-        let soon = bounds(100, Some(Duration::from_millis(10)), now);
-        let none = Holder::default();
-        assert!(until(sleep(soon, &long, 5, none, None, now)) <= now + Duration::from_millis(10));
-        // A sit-out ends first.
-        let sit = Some(now + Duration::from_millis(5));
-        assert_eq!(
-            until(sleep(roomy, &long, 5, none, sit, now)),
-            now + Duration::from_millis(5)
-        );
-        // Otherwise the backoff, within its ceiling.
-        let free = until(sleep(roomy, &backoff(), 1, none, None, now));
-        assert!(free <= now + backoff().ceiling());
+    fn before(state: &State, now: Instant) -> Step {
+        step::<()>(state, None, &backoff(), now)
     }
 
     fn until(step: Step) -> Instant {
@@ -275,68 +280,278 @@ mod tests {
     }
 
     #[test]
-    fn a_subscribed_waiter_bounded_by_time_sleeps_until_the_lease_ends() {
+    fn a_grant_is_taken_whatever_the_bounds() {
         let now = Instant::now();
-        // A backoff of 50 ms would look again within 1.6 s; the holder has a minute left.
-        let minute = Some(Duration::from_secs(60));
-        let heard = Holder {
-            lease: minute,
-            announced: true,
-        };
-        let by_time = bounds(u32::MAX, None, now);
-        let lease_end = now + Duration::from_secs(60) + Duration::from_millis(1);
-        for attempts in [2, 3, 40] {
-            assert_eq!(
-                until(sleep(by_time, &backoff(), attempts, heard, None, now)),
-                lease_end
+        let spent = bounds(0, Some(Duration::ZERO), now);
+        for mode in MODES {
+            let step = after(
+                &state(mode, spent, 9, true),
+                &Ok(AcquireAnswer::Held(())),
+                now,
             );
+            assert_eq!(step, Step::Grant, "{mode:?}");
         }
-        // A lease that ended as the answer came: look again at once (1 ms).
-        let gone = Holder {
-            lease: Some(Duration::ZERO),
-            announced: true,
-        };
-        assert!(
-            until(sleep(by_time, &backoff(), 2, gone, None, now)) <= now + Duration::from_millis(1)
-        );
-        // Still within the deadline and a sit-out.
-        let soon = bounds(u32::MAX, Some(Duration::from_secs(2)), now);
-        let by_deadline = until(sleep(soon, &backoff(), 2, heard, None, now));
-        assert_eq!(by_deadline, now + Duration::from_secs(2));
-        let sit = Some(now + Duration::from_millis(5));
-        let by_sit_out = until(sleep(by_time, &backoff(), 2, heard, sit, now));
-        assert_eq!(by_sit_out, now + Duration::from_millis(5));
     }
 
     #[test]
-    fn other_waiters_keep_the_backoff() {
+    fn refusals_and_fatal_errors_end_the_request_at_once() {
         let now = Instant::now();
-        let minute = Some(Duration::from_secs(60));
-        let ceiling = now + backoff().ceiling();
-        let by_time = bounds(u32::MAX, None, now);
-        // Not subscribed: nothing would tell it of a release.
-        let unheard = Holder {
-            lease: minute,
-            announced: false,
-        };
-        // No lease known (a key without expiry, or a failed attempt).
-        let unknown = Holder {
-            lease: None,
-            announced: true,
-        };
-        for holder in [unheard, unknown] {
-            for _ in 0..20 {
-                assert!(until(sleep(by_time, &backoff(), 9, holder, None, now)) <= ceiling);
+        let roomy = bounds(100, None, now);
+        let refusals = [
+            Ok(AcquireAnswer::Unreplicated {
+                acked: 0,
+                wanted: 1,
+            }),
+            Ok(AcquireAnswer::PermitsMismatch { stored: 3 }),
+            fatal(),
+        ];
+        for mode in MODES {
+            for answer in &refusals {
+                let step = after(&state(mode, roomy, 1, false), answer, now);
+                assert_eq!(step, Step::Refuse, "{mode:?} {answer:?}");
             }
         }
-        // A number of retries is spent at the backoff's pace, subscribed or not.
-        let counted = bounds(5, None, now);
-        let heard = Holder {
-            lease: minute,
-            announced: true,
-        };
-        for _ in 0..20 {
-            assert!(until(sleep(counted, &backoff(), 3, heard, None, now)) <= ceiling);
+    }
+
+    #[test]
+    fn spent_bounds_give_up_busy_or_failing() {
+        let now = Instant::now();
+        for mode in MODES {
+            // Retries spent: the first attempt of a request without retries.
+            for answer in [busy(None), lost_reply()] {
+                let once = state(mode, bounds(0, None, now), 1, false);
+                assert_eq!(after(&once, &answer, now), Step::GiveUp, "{mode:?}");
+            }
+            // Time spent, retries left.
+            let late = state(mode, bounds(100, Some(Duration::ZERO), now), 3, true);
+            assert_eq!(after(&late, &busy(None), now), Step::GiveUp, "{mode:?}");
+            // A deadline passed while the loop was not asking: no attempt after the first.
+            assert_eq!(before(&late, now), Step::GiveUp, "{mode:?}");
         }
+    }
+
+    #[test]
+    fn the_first_attempt_is_made_even_past_the_deadline() {
+        let now = Instant::now();
+        for mode in MODES {
+            let late = state(mode, bounds(100, Some(Duration::ZERO), now), 0, false);
+            assert_eq!(before(&late, now), Step::Ask, "{mode:?}");
+        }
+    }
+
+    #[test]
+    fn a_request_asks_when_nothing_holds_it_back() {
+        let now = Instant::now();
+        for mode in MODES {
+            let waiting = state(mode, bounds(100, None, now), 4, true);
+            assert_eq!(before(&waiting, now), Step::Ask, "{mode:?}");
+        }
+    }
+
+    #[test]
+    fn the_first_refusal_queues_and_later_ones_sleep() {
+        let now = Instant::now();
+        let roomy = bounds(100, None, now);
+        for mode in MODES {
+            for answer in [busy(None), lost_reply()] {
+                let first = state(mode, roomy, 1, false);
+                let step = after(&first, &answer, now);
+                // A set knows which lock to wait for only from a busy answer.
+                match (mode, answer.is_ok()) {
+                    (Mode::Set, false) => assert!(matches!(step, Step::Sleep { .. })),
+                    _ => assert_eq!(step, Step::Queue { at: 0 }, "{mode:?} {answer:?}"),
+                }
+                let queued = state(mode, roomy, 2, true);
+                let step = after(&queued, &answer, now);
+                assert!(matches!(step, Step::Sleep { .. }), "{mode:?} {step:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_set_busy_on_another_lock_moves_to_its_queue() {
+        let now = Instant::now();
+        let mut set = state(Mode::Set, bounds(100, None, now), 3, true);
+        set.busy_at = 2;
+        let answer = Ok(AcquireAnswer::Busy {
+            at: 2,
+            holder_ttl: None,
+            holder: None,
+        });
+        assert_eq!(after(&set, &answer, now), Step::Queue { at: 2 });
+        set.queued_at = Some(2);
+        assert!(matches!(after(&set, &answer, now), Step::Sleep { .. }));
+    }
+
+    #[test]
+    fn a_plain_request_waits_while_a_task_of_its_manager_holds_the_lock() {
+        let now = Instant::now();
+        let long = Backoff::new(Duration::from_secs(3600));
+        let mut waiting = state(Mode::Plain, bounds(u32::MAX, None, now), 2, true);
+        waiting.announced = true;
+        waiting.held_here = Some(now + Duration::from_millis(30));
+        let next = step::<()>(&waiting, None, &long, now);
+        // Until just past the sibling's lease: its release hands the lock over before that.
+        assert_eq!(until(next), now + Duration::from_millis(31));
+        // Within the deadline.
+        waiting.bounds.deadline = Some(now + Duration::from_millis(10));
+        let next = step::<()>(&waiting, None, &long, now);
+        assert_eq!(until(next), now + Duration::from_millis(10));
+    }
+
+    #[test]
+    fn only_a_plain_request_sits_out_other_processes_turns() {
+        let now = Instant::now();
+        let sit = now + Duration::from_millis(5);
+        let minute = busy(Some(Duration::from_secs(60)));
+        for mode in MODES {
+            let mut waiting = state(mode, bounds(u32::MAX, None, now), 2, true);
+            waiting.sitting_out = Some(sit);
+            waiting.announced = true;
+            let asked = after(&waiting, &minute, now);
+            match mode {
+                Mode::Plain => {
+                    assert_eq!(until(before(&waiting, now)), sit);
+                    assert_eq!(until(asked), sit);
+                }
+                // Sets and fair requests ask, and their sleeps are not cut short by it.
+                Mode::Set => {
+                    assert_eq!(before(&waiting, now), Step::Ask);
+                    let lease_end = now + Duration::from_secs(60) + Duration::from_millis(1);
+                    assert_eq!(until(asked), lease_end);
+                }
+                Mode::Fair => {
+                    assert_eq!(before(&waiting, now), Step::Ask);
+                    assert_eq!(until(asked), now + FAIR_REFRESH);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_timer_is_bounded_by_the_holder_the_deadline_and_a_sit_out() {
+        let now = Instant::now();
+        let long = Backoff::new(Duration::from_secs(3600));
+        let sleep = |state: &State, answer: &Answer, backoff: &Backoff| {
+            until(step(state, Some(answer), backoff, now))
+        };
+        let roomy = state(Mode::Plain, bounds(100, None, now), 5, true);
+        // The holder's lease ends in 30 ms: nobody announces an expiry.
+        let soon_free = busy(Some(Duration::from_millis(30)));
+        assert!(sleep(&roomy, &soon_free, &long) <= now + Duration::from_millis(31));
+        // The deadline comes first.
+        let soon = state(
+            Mode::Plain,
+            bounds(100, Some(Duration::from_millis(10)), now),
+            5,
+            true,
+        );
+        assert!(sleep(&soon, &busy(None), &long) <= now + Duration::from_millis(10));
+        // A sit-out ends first.
+        let mut sitting = roomy;
+        sitting.sitting_out = Some(now + Duration::from_millis(5));
+        assert_eq!(
+            sleep(&sitting, &busy(None), &long),
+            now + Duration::from_millis(5)
+        );
+        // Otherwise the backoff, within its ceiling.
+        let first = state(Mode::Plain, bounds(100, None, now), 1, true);
+        assert!(sleep(&first, &busy(None), &backoff()) <= now + backoff().ceiling());
+    }
+
+    #[test]
+    fn a_subscribed_waiter_bounded_by_time_sleeps_until_the_lease_ends() {
+        let now = Instant::now();
+        // A backoff of 50 ms would look again within 1.6 s; the holder has a minute left.
+        let minute = busy(Some(Duration::from_secs(60)));
+        let lease_end = now + Duration::from_secs(60) + Duration::from_millis(1);
+        for mode in [Mode::Plain, Mode::Set] {
+            for attempts in [2, 3, 40] {
+                let mut heard = state(mode, bounds(u32::MAX, None, now), attempts, true);
+                heard.announced = true;
+                assert_eq!(until(after(&heard, &minute, now)), lease_end);
+            }
+            let mut heard = state(mode, bounds(u32::MAX, None, now), 2, true);
+            heard.announced = true;
+            // A lease that ended as the answer came: look again at once (1 ms).
+            let gone = busy(Some(Duration::ZERO));
+            assert!(until(after(&heard, &gone, now)) <= now + Duration::from_millis(1));
+            // Still within the deadline.
+            heard.bounds.deadline = Some(now + Duration::from_secs(2));
+            assert_eq!(
+                until(after(&heard, &minute, now)),
+                now + Duration::from_secs(2)
+            );
+        }
+    }
+
+    #[test]
+    fn other_plain_waiters_keep_the_backoff() {
+        let now = Instant::now();
+        let ceiling = now + backoff().ceiling();
+        let by_time = bounds(u32::MAX, None, now);
+        let minute = busy(Some(Duration::from_secs(60)));
+        // Not subscribed: nothing would tell it of a release.
+        let unheard = state(Mode::Plain, by_time, 9, true);
+        // No lease known (a key without expiry, or a failed attempt).
+        let mut unknown = unheard;
+        unknown.announced = true;
+        for _ in 0..20 {
+            assert!(until(after(&unheard, &minute, now)) <= ceiling);
+            assert!(until(after(&unknown, &busy(None), now)) <= ceiling);
+            assert!(until(after(&unknown, &lost_reply(), now)) <= ceiling);
+        }
+        // A number of retries is spent at the backoff's pace, subscribed or not.
+        let mut counted = state(Mode::Plain, bounds(5, None, now), 3, true);
+        counted.announced = true;
+        for _ in 0..20 {
+            assert!(until(after(&counted, &minute, now)) <= ceiling);
+        }
+    }
+
+    #[test]
+    fn a_fair_waiter_asks_again_within_the_refresh_of_its_place() {
+        let now = Instant::now();
+        let refresh = now + FAIR_REFRESH;
+        let by_time = bounds(u32::MAX, None, now);
+        // Subscribed or not, by time it waits for the holder's lease to end...
+        for announced in [false, true] {
+            let mut fair = state(Mode::Fair, by_time, 3, true);
+            fair.announced = announced;
+            let short = busy(Some(Duration::from_millis(30)));
+            assert_eq!(
+                until(after(&fair, &short, now)),
+                now + Duration::from_millis(31)
+            );
+            // ...but never past the renewal of its place, nor without a lease known.
+            let minute = busy(Some(Duration::from_secs(60)));
+            assert_eq!(until(after(&fair, &minute, now)), refresh);
+            assert_eq!(until(after(&fair, &busy(None), now)), refresh);
+            assert_eq!(until(after(&fair, &lost_reply(), now)), refresh);
+        }
+        // A number of retries is spent at the backoff's pace, within the refresh too.
+        let long = Backoff::new(Duration::from_secs(3600));
+        let counted = state(Mode::Fair, bounds(5, None, now), 3, true);
+        for _ in 0..20 {
+            let next = step(&counted, Some(&busy(None)), &long, now);
+            assert!(until(next) <= refresh);
+        }
+        // And within the deadline.
+        let soon = state(
+            Mode::Fair,
+            bounds(u32::MAX, Some(Duration::from_millis(10)), now),
+            3,
+            true,
+        );
+        assert_eq!(
+            until(after(&soon, &busy(None), now)),
+            now + Duration::from_millis(10)
+        );
+    }
+
+    #[test]
+    fn transient_failures_are_told_from_fatal_ones() {
+        assert!(lost_reply().is_err_and(|error| is_transient(&error)));
+        assert!(fatal().is_err_and(|error| !is_transient(&error)));
     }
 }

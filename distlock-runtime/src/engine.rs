@@ -1,12 +1,14 @@
 //! The acquire engine: one loop for every request, one lock or a set ([`Ask`] says what an
-//! attempt sends), with fair locks as a mode of it. It attempts, waits for a release (or a
-//! hand-off, or a timer) and attempts again within the request's bounds, and hands back what
-//! it won; the request's target builds the guard. The decisions are `decide`'s.
+//! attempt sends), plain or fair. It attempts, waits for a release (or a hand-off, or a
+//! timer) and attempts again within the request's bounds, and hands back what it won; the
+//! request's target builds the guard. What it does at each turn is `decide::step`'s answer;
+//! the loop only carries it out.
 //!
 //! From the first attempt until the request settles, an attempt whose answer has not come
-//! may hold the lock: [`Cover`] gives back what it may hold if the request is dropped or
-//! gives up there. Shutdown meets a request in one way: every wait inside ends with
-//! [`LockError::ShutDown`] (an attempt in flight is bounded by the response timeout).
+//! may hold the lock, and so may a fair request's place in the server's queue: [`Cover`]
+//! gives back what it may hold if the request is dropped or gives up there. Shutdown meets
+//! a request in one way: every wait inside ends with [`LockError::ShutDown`] (an attempt in
+//! flight is bounded by the response timeout).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -15,8 +17,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use crate::LockError;
-use crate::backend::FAIR_REFRESH;
-use crate::decide::{self, Answer, Bounds, Holder, Step};
+use crate::backend::AcquireAnswer;
+use crate::decide::{self, Bounds, Mode, State, Step};
 use crate::key::Keys;
 use crate::manager::Inner;
 use crate::metrics::Labels;
@@ -39,13 +41,19 @@ pub(crate) trait Ask: Sync {
     fn send(
         &self,
         inner: &Inner,
-    ) -> impl Future<Output = Result<redis::RedisResult<Reply<Self::Fences>>, LockError>> + Send;
+    ) -> impl Future<Output = Result<redis::RedisResult<AcquireAnswer<Self::Fences>>, LockError>> + Send;
 
     /// The owner token the attempts carry.
     fn token(&self) -> &str;
 
     /// The wake channel of lock `at` (for a set, the one found busy).
     fn wake(&self, at: usize) -> &str;
+
+    /// A fair lock: the first attempt that is turned away keeps a place in the server's
+    /// queue, which a release may grant the lock to until the request leaves it.
+    fn fair(&self) -> bool {
+        false
+    }
 
     /// Gives back, right behind the last attempt, what an attempt whose answer never came may
     /// hold, then takes back `intent`.
@@ -64,49 +72,10 @@ pub(crate) trait Ask: Sync {
     fn withdraw_intent(&self, _inner: &Arc<Inner>, _intent: String) {}
 }
 
-/// The answer to one attempt.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Reply<W> {
-    /// Granted: the fencing token(s).
-    Held(W),
-    /// Another owner holds lock `at` for about `holder_ttl` more; `holder` is that owner's
-    /// token (as two numbers), when the server named it.
-    Busy {
-        at: usize,
-        holder_ttl: Option<Duration>,
-        holder: Option<[u64; 2]>,
-    },
-    /// The semaphore is in use with `stored` permits, not the number asked for.
-    PermitsMismatch { stored: u32 },
-    /// Granted, but fewer replicas than asked acknowledged it: already given back.
-    Unreplicated { acked: u32, wanted: u32 },
-}
-
-impl<W> Reply<W> {
-    /// What the decision needs of the answer.
-    fn answer(outcome: &redis::RedisResult<Self>) -> Answer {
-        match outcome {
-            Ok(Reply::Held(_)) => Answer::Granted,
-            Ok(Reply::Busy { holder_ttl, .. }) => Answer::Busy {
-                holder_ttl: *holder_ttl,
-            },
-            Ok(Reply::PermitsMismatch { .. } | Reply::Unreplicated { .. }) => Answer::Refused,
-            Err(error) if is_transient(error) => Answer::Transient,
-            Err(_) => Answer::Fatal,
-        }
-    }
-}
-
-/// Errors after which the same attempt may succeed if sent again.
-/// Connection failures, and server answers that say "not now" (TRYAGAIN, CLUSTERDOWN,
-/// MASTERDOWN, LOADING, READONLY during a failover, …): retried within the request's
-/// bounds, and reported as the Redis error they are, never as busy, if the bounds run out.
-pub(crate) fn is_transient(error: &redis::RedisError) -> bool {
-    error.is_io_error()
-        || error.is_timeout()
-        || error.is_connection_dropped()
-        || error.is_connection_refusal()
-        || !matches!(error.retry_method(), redis::RetryMethod::NoRetry)
+/// One attempt sent: when (its lease began then, if it was granted), and the answer.
+pub(crate) struct Attempted<F> {
+    pub(crate) sent: Instant,
+    pub(crate) answer: redis::RedisResult<AcquireAnswer<F>>,
 }
 
 /// What a request won.
@@ -143,38 +112,14 @@ impl<W> Outcome<W> {
     }
 }
 
-/// Sends one attempt of `ask`; `cover` covers it from now until its answer has been looked
-/// at. Returns when it was sent, and the answer.
-pub(crate) async fn send<'a, A: Ask>(
-    inner: &'a Arc<Inner>,
-    ask: &'a A,
-    metrics: Labels,
-    cover: &mut Cover<'a, A>,
-) -> Result<First<A::Fences>, LockError> {
-    crate::metrics::attempt(metrics);
-    let sent = Instant::now();
-    cover.maybe_held = true;
-    let outcome = ask.send(inner).await?;
-    if outcome.is_ok() {
-        inner.waiters.attempted();
-    }
-    Ok(First { sent, outcome })
-}
-
-/// The answer to an attempt already made (before the loop, by the caller).
-pub(crate) struct First<W> {
-    pub(crate) sent: Instant,
-    pub(crate) outcome: redis::RedisResult<Reply<W>>,
-}
-
-/// What the loop does after an attempt or a look at its queue.
-enum Then<W> {
-    /// The request settled.
-    Won(Outcome<W>),
-    /// Look again at once.
-    Again,
-    /// Wait for a release, a hand-off or a timer; the holder's lease if known.
-    Wait(Option<Duration>),
+/// Where waiting for a turn ended.
+enum Turn {
+    /// The request's turn: it may decide.
+    Ready,
+    /// A local release handed the lock over meanwhile.
+    Handed(Handed),
+    /// The deadline passed.
+    Late,
 }
 
 /// One request being carried out.
@@ -184,6 +129,7 @@ pub(crate) struct Engine<'a, A: Ask> {
     /// The locks' names (one, or a set's), for errors.
     names: &'a [Keys],
     kind: RequestKind,
+    mode: Mode,
     ttl: Duration,
     backoff: Backoff,
     bounds: Bounds,
@@ -192,10 +138,8 @@ pub(crate) struct Engine<'a, A: Ask> {
     started: Instant,
     /// A local release may hand the lock over (a plain lock, where the backend allows it).
     hand_off: bool,
-    /// Fair mode: the queue is in Redis.
-    fair: bool,
     cover: Cover<'a, A>,
-    /// This request's place in the local queue of lock `.0`, once it waits there.
+    /// This request's place in the queue of lock `.0`, once it waits there.
     ticket: Option<(usize, Ticket)>,
     /// The receiving end of a standing offer to take the lock from a local release.
     offer: Option<oneshot::Receiver<Handed>>,
@@ -216,11 +160,17 @@ impl<'a, A: Ask> Engine<'a, A> {
         names: &'a [Keys],
         started: Instant,
     ) -> Self {
+        let mode = match (A::SET, ask.fair()) {
+            (true, _) => Mode::Set,
+            (false, true) => Mode::Fair,
+            (false, false) => Mode::Plain,
+        };
         Self {
             inner,
             ask,
             names,
             kind: plan.kind,
+            mode,
             ttl: plan.ttl,
             backoff: plan.backoff,
             bounds: Bounds {
@@ -228,10 +178,10 @@ impl<'a, A: Ask> Engine<'a, A> {
                 deadline: plan.wait.map(|wait| started + wait),
             },
             metrics: plan.metrics,
-            cohort: !plan.options.no_cohort,
+            // Fair locks never pass locally.
+            cohort: !plan.options.no_cohort && mode != Mode::Fair,
             started,
             hand_off: false,
-            fair: false,
             cover: Cover::new(inner, ask),
             ticket: None,
             offer: None,
@@ -249,172 +199,135 @@ impl<'a, A: Ask> Engine<'a, A> {
     }
 
     /// Takes over the cover of an attempt made before the loop.
-    pub(crate) fn covering(mut self, mut cover: Cover<'a, A>) -> Self {
-        self.cover.maybe_held = std::mem::replace(&mut cover.maybe_held, false);
+    pub(crate) fn covering(mut self, cover: Cover<'a, A>) -> Self {
+        self.cover = cover;
         self
     }
 
-    async fn send(&mut self) -> Result<First<A::Fences>, LockError> {
-        send(self.inner, self.ask, self.metrics, &mut self.cover).await
-    }
-
-    /// The waiting loop: attempts (after `first`, the answer to one already made, if any),
-    /// waits, and attempts again until the request wins or its bounds run out.
+    /// The waiting loop: carries out `decide::step` — attempts (after `first`, an attempt
+    /// already made, if any), waits, and attempts again until the request wins or its
+    /// bounds run out. `queue_first`: a request that may wait queues behind this manager's
+    /// waiters of the lock before its first attempt.
     pub(crate) async fn wait(
         mut self,
-        mut first: Option<First<A::Fences>>,
+        first: Option<Attempted<A::Fences>>,
         queue_first: bool,
     ) -> Result<Outcome<A::Fences>, LockError> {
-        let queues = self.bounds.retries > 0;
-        if first.is_none() && queues && queue_first && self.has_waiters() {
-            let inner = self.inner;
-            let joined = inner.waiters.join(
-                self.ask.wake(0),
-                &inner.backend,
-                &inner.driver,
-                self.metrics,
-            );
-            self.ticket = Some((0, joined));
+        if first.is_none() && queue_first && self.bounds.retries > 0 && self.has_waiters() {
+            self.join(0);
         }
+        let mut heard = first;
+        if let Some(first) = &heard {
+            self.heard(&first.answer);
+        }
+        // The wake-ups seen before the last attempt: one since then is worth a look.
+        let mut seen = None;
         loop {
-            self.stand_ready();
-            if let Some(handed) = self.turn().await? {
-                return Ok(self.handed(handed));
-            }
-            let seen = self.ticket.as_ref().map(|(_, ticket)| ticket.wakes());
-            let sitting_out = self.ticket().filter(|_| !A::SET);
-            let sitting_out = sitting_out.and_then(Ticket::sitting_out);
-            let holder_ttl = match self.next(&mut first, sitting_out, queues).await? {
-                Then::Won(outcome) => return Ok(outcome),
-                Then::Again => continue,
-                Then::Wait(holder_ttl) => holder_ttl,
-            };
-            if let Some(handed) = self.pause(holder_ttl, sitting_out, seen).await? {
-                return Ok(self.handed(handed));
-            }
-            if self.past_deadline() {
-                return Err(self.give_up_now());
-            }
-        }
-    }
-
-    /// The next step after waiting for a turn: none while a task of this manager holds the
-    /// lock or the manager sits out, else an attempt and what its answer decides.
-    async fn next(
-        &mut self,
-        first: &mut Option<First<A::Fences>>,
-        sitting_out: Option<Instant>,
-        queues: bool,
-    ) -> Result<Then<A::Fences>, LockError> {
-        // A task of this manager holds the lock: its release hands it over (or wakes this
-        // head); asking the server now would only hear "busy".
-        let sibling_holds = self.ticket().and_then(Ticket::held_here);
-        if let Some(until) = sibling_holds.filter(|_| self.hand_off) {
-            // A task of this manager holds it now, whoever the server named before; its lease
-            // bounds the wait, as the holder's PTTL would.
-            self.holder = None;
-            return Ok(Then::Wait(Some(
-                until.saturating_duration_since(Instant::now()),
-            )));
-        }
-        // Or this manager just had a run of hand-offs: other processes' turns come first.
-        if sitting_out.is_some() {
-            self.holder = None;
-            return Ok(Then::Wait(None));
-        }
-        // No offer stands while this waiter asks the server itself; one a release took
-        // meanwhile decides first.
-        if let Some(handed) = self.withdraw_offer().await? {
-            return Ok(Then::Won(self.handed(handed)));
-        }
-        self.attempts += 1;
-        let First { sent, outcome } = match first.take() {
-            Some(first) => first,
-            None => self.send().await?,
-        };
-        self.decide(sent, outcome, queues)
-    }
-
-    /// What an attempt's answer decides.
-    fn decide(
-        &mut self,
-        sent: Instant,
-        outcome: redis::RedisResult<Reply<A::Fences>>,
-        queues: bool,
-    ) -> Result<Then<A::Fences>, LockError> {
-        self.cover.answered(outcome.as_ref().ok());
-        let answer = Reply::answer(&outcome);
-        let holder_ttl = match outcome {
-            Ok(Reply::Held(won)) => {
-                self.cover.maybe_held = false;
-                if let (true, Some(ticket)) = (self.hand_off, self.ticket()) {
-                    ticket.holding(crate::lease::saturating_add(sent, self.ttl));
+            if heard.is_none() {
+                self.stand_ready();
+                match self.turn().await? {
+                    Turn::Ready => {}
+                    Turn::Handed(handed) => return Ok(self.handed(handed)),
+                    Turn::Late => return Err(self.give_up().await),
                 }
-                return Ok(Then::Won(self.settle(Won::Asked { won, sent })));
+                seen = self.ticket().map(Ticket::wakes);
             }
-            Ok(Reply::Busy {
-                at,
-                holder_ttl,
-                holder,
-            }) => {
-                self.cover.maybe_held = false;
+            let answer = heard.as_ref().map(|attempted| &attempted.answer);
+            match decide::step(&self.state(), answer, &self.backoff, Instant::now()) {
+                Step::Ask => {
+                    // No offer stands while this waiter asks the server itself; one a
+                    // release took meanwhile decides first.
+                    if let Some(handed) = self.withdraw_offer().await? {
+                        return Ok(self.handed(handed));
+                    }
+                    let attempted = self.cover.send(self.metrics).await?;
+                    self.heard(&attempted.answer);
+                    heard = Some(attempted);
+                }
+                Step::Grant => return Ok(self.granted(heard)),
+                Step::Refuse => return Err(self.refused(heard)),
+                Step::GiveUp => return Err(self.give_up().await),
+                Step::Queue { at } => {
+                    self.join(at);
+                    heard = None;
+                }
+                Step::Sleep { until } => {
+                    // Not asked (a task of this manager holds the lock, or this manager
+                    // sits out): the holder the server named before may hold it no more.
+                    if heard.take().is_none() {
+                        self.holder = None;
+                    }
+                    if let Some(handed) = self.pause(until, seen).await? {
+                        return Ok(self.handed(handed));
+                    }
+                }
+            }
+        }
+    }
+
+    /// What the request knows, for the decision.
+    fn state(&self) -> State {
+        let ticket = self.ticket();
+        State {
+            mode: self.mode,
+            bounds: self.bounds,
+            attempts: self.attempts,
+            queued_at: self.ticket.as_ref().map(|(at, _)| *at),
+            busy_at: self.busy_at,
+            held_here: ticket.and_then(Ticket::held_here).filter(|_| self.hand_off),
+            sitting_out: ticket.and_then(Ticket::sitting_out),
+            announced: ticket.is_some_and(Ticket::is_subscribed),
+        }
+    }
+
+    /// Notes an attempt's answer: the lock found busy and its holder, or the failure that is
+    /// the last word now; and tells the local queue.
+    fn heard(&mut self, answer: &redis::RedisResult<AcquireAnswer<A::Fences>>) {
+        self.attempts += 1;
+        match answer {
+            &Ok(AcquireAnswer::Busy { at, holder, .. }) => {
                 self.failure = None;
                 self.holder = holder;
                 self.busy_at = at.min(self.names.len() - 1);
-                holder_ttl
             }
-            Ok(refused) => {
-                self.cover.maybe_held = false;
-                return Err(self.refused(refused));
-            }
-            // A lost reply may hide a granted lock: the next attempt resends the same hold,
-            // which the script recognises; the cover releases it if none follows.
-            Err(error) if is_transient(&error) => {
+            Err(error) if decide::is_transient(error) => {
                 tracing::debug!(attempts = self.attempts, %error, "acquire attempt failed");
-                self.failure = Some(error);
-                None
+                self.failure = Some(error.clone());
             }
-            Err(error) => return Err(LockError::redis(self.name(self.busy_at), error)),
-        };
-        if let Some(ticket) = self.ticket() {
-            ticket.heard(self.failure.clone());
+            _ => return,
         }
-        let queued = self
-            .ticket
-            .as_ref()
-            .is_some_and(|(at, _)| *at == self.busy_at);
-        // A set knows which lock to wait for only from a busy answer.
-        let queues = queues && (!A::SET || matches!(answer, Answer::Busy { .. }));
-        let step = decide::after(
-            answer,
-            self.bounds,
-            &self.backoff,
-            self.attempts,
-            (queued, queues),
-            None,
-            Instant::now(),
-        );
-        match step {
-            Step::GiveUp => Err(self.give_up(self.failure.clone())),
-            // First time busy on this lock: queue up and follow its wake channel, then look
-            // again at once (a release between the busy answer and the subscription
-            // publishes unheard). So does a set found busy on another lock than the one it
-            // just queued for (a release of that lock before its channel is followed would
-            // leave the set asleep while every lock is free); that lock was free at this look,
-            // so each such turn follows a release and is no busy loop.
-            Step::Queue => {
-                self.join(self.busy_at);
-                Ok(Then::Again)
-            }
-            _ => Ok(Then::Wait(holder_ttl)),
+        if let Some(ticket) = self.queue_heard() {
+            ticket.heard(self.failure.clone());
         }
     }
 
+    /// The local queue that keeps its waiters' last word from Redis: where only its head
+    /// asks, that word is whichever local waiter asked last. A fair waiter asks for
+    /// itself, and its own word is the last.
+    fn queue_heard(&self) -> Option<&Ticket> {
+        self.ticket().filter(|_| self.mode != Mode::Fair)
+    }
+
+    /// The outcome of a granted attempt.
+    fn granted(&mut self, heard: Option<Attempted<A::Fences>>) -> Outcome<A::Fences> {
+        let Some(Attempted {
+            sent,
+            answer: Ok(AcquireAnswer::Held(won)),
+        }) = heard
+        else {
+            unreachable!("only a granted attempt is a grant");
+        };
+        if let (true, Some(ticket)) = (self.hand_off, self.ticket()) {
+            ticket.holding(crate::lease::saturating_add(sent, self.ttl));
+        }
+        self.settle(Won::Asked { won, sent })
+    }
+
     /// The error of an answer that waiting cannot change.
-    fn refused(&self, reply: Reply<A::Fences>) -> LockError {
+    fn refused(&self, heard: Option<Attempted<A::Fences>>) -> LockError {
         let key = self.name(0).to_owned();
-        match reply {
-            Reply::PermitsMismatch { stored } => LockError::PermitsMismatch {
+        match heard.map(|attempted| attempted.answer) {
+            Some(Ok(AcquireAnswer::PermitsMismatch { stored })) => LockError::PermitsMismatch {
                 key,
                 stored,
                 requested: match self.kind {
@@ -422,25 +335,33 @@ impl<'a, A: Ask> Engine<'a, A> {
                     _ => 0,
                 },
             },
-            Reply::Unreplicated { acked, wanted } => {
+            Some(Ok(AcquireAnswer::Unreplicated { acked, wanted })) => {
                 LockError::NotReplicated { key, acked, wanted }
             }
-            Reply::Held(_) | Reply::Busy { .. } => {
+            Some(Err(error)) => LockError::redis(self.name(self.busy_at), error),
+            Some(Ok(AcquireAnswer::Held(_) | AcquireAnswer::Busy { .. })) | None => {
                 unreachable!("granted and busy are not refusals")
             }
         }
     }
 
-    /// Joins the local queue of lock `at` (leaving any other) after an answer, and hears this
-    /// request's last word there.
+    /// Joins the queue of lock `at` (leaving any other) after an answer, and hears this
+    /// request's last word there: the local queue, or for a fair lock the signal of its
+    /// place in the server's queue.
     fn join(&mut self, at: usize) {
         let inner = self.inner;
-        let joined = inner.waiters.join(
-            self.ask.wake(at),
-            &inner.backend,
-            &inner.driver,
-            self.metrics,
-        );
+        let (wake, backend, driver) = (self.ask.wake(at), &inner.backend, &inner.driver);
+        let joined = match self.mode {
+            Mode::Fair => {
+                let ticket =
+                    inner
+                        .waiters
+                        .join_fair(wake, self.ask.token(), backend, driver, self.metrics);
+                self.ticket = Some((at, ticket));
+                return;
+            }
+            Mode::Plain | Mode::Set => inner.waiters.join(wake, backend, driver, self.metrics),
+        };
         joined.heard(self.failure.clone());
         // A writer queued behind waiters of its own manager does not compete before its
         // turn: its intent would only keep those ahead of it (readers) out of a free lock,
@@ -451,27 +372,30 @@ impl<'a, A: Ask> Engine<'a, A> {
         self.ticket = Some((at, joined));
     }
 
-    /// Stands ready for a hand-off while this request waits in the queue of a plain lock.
+    /// Stands ready for a hand-off while this request waits in a queue: that of a plain
+    /// lock (a release by this manager hands it over), or a fair lock's (a release by this
+    /// manager that grants it to this waiter hands the grant over in-process).
     fn stand_ready(&mut self) {
-        if let (true, Some((_, waiting)), None) = (self.hand_off, &self.ticket, &self.offer) {
+        let takes = self.hand_off || self.mode == Mode::Fair;
+        if let (true, Some((_, waiting)), None) = (takes, &self.ticket, &self.offer) {
             self.offer = Some(waiting.offer(self.ask.token(), self.ttl, self.cohort));
         }
     }
 
-    /// Waits for this request's turn at the head of its queue (and for the wake channel),
-    /// within the deadline; a hand-off may come before it even sees its turn.
-    async fn turn(&mut self) -> Result<Option<Handed>, LockError> {
+    /// Waits for this request's turn in its queue (the head of a local one) and for the wake
+    /// channel, within the deadline; a hand-off may come before it even sees its turn.
+    async fn turn(&mut self) -> Result<Turn, LockError> {
         let Some((_, ticket)) = &self.ticket else {
-            return Ok(None);
+            return Ok(Turn::Ready);
         };
         let turn = async {
             ticket.until_head().await;
             ticket.subscribe().await;
         };
         tokio::select! {
-            () = turn => Ok(None),
-            handed = receive(&mut self.offer) => Ok(handed),
-            () = until(self.inner, self.bounds.deadline) => Err(self.give_up_now()),
+            () = turn => Ok(Turn::Ready),
+            handed = receive(&mut self.offer) => Ok(handed.map_or(Turn::Ready, Turn::Handed)),
+            () = until(self.inner, self.bounds.deadline) => Ok(Turn::Late),
             () = self.inner.holds.until_shut_down() => Err(LockError::ShutDown),
         }
     }
@@ -487,53 +411,30 @@ impl<'a, A: Ask> Engine<'a, A> {
         }
         tokio::select! {
             handed = receiver => Ok(handed.ok()),
-            () = until(self.inner, self.bounds.deadline) => Err(if self.fair {
-                self.fair_give_up().await
-            } else {
-                self.give_up_now()
-            }),
+            () = until(self.inner, self.bounds.deadline) => Err(self.give_up().await),
             () = self.inner.holds.until_shut_down() => Err(LockError::ShutDown),
         }
     }
 
-    /// Waits for a release, a hand-off, or the fallback timer that catches an expiry or a
-    /// missed announcement: the end of the holder's lease while the wake channel is followed,
-    /// else backoff with full jitter capped by that lease (see [`decide::sleep`]).
+    /// Waits for a release (or a grant, for a fair waiter), a hand-off, or the fallback timer
+    /// at `until` that catches an expiry or a missed announcement. `seen`: the wake-ups
+    /// counted before the last attempt.
     async fn pause(
         &mut self,
-        holder_ttl: Option<Duration>,
-        sitting_out: Option<Instant>,
+        until: Instant,
         seen: Option<u64>,
     ) -> Result<Option<Handed>, LockError> {
-        // Checked as it goes to sleep: a connection lost from here on wakes it (`recover`).
-        let holder = Holder {
-            lease: holder_ttl,
-            announced: self.ticket().is_some_and(Ticket::is_subscribed),
-        };
-        let step = decide::sleep(
-            self.bounds,
-            &self.backoff,
-            self.attempts,
-            holder,
-            sitting_out,
-            Instant::now(),
-        );
-        let Step::Sleep { until } = step else {
-            return Err(self.give_up_now());
-        };
+        // Ready for a hand-off again while this waits.
+        self.stand_ready();
         let woken = async {
             match &self.ticket {
                 Some((_, waiting)) => {
                     let seen = seen.unwrap_or_else(|| waiting.wakes());
-                    waiting.woken_since(seen).await;
+                    waiting.woken(seen).await;
                 }
                 None => std::future::pending().await,
             }
         };
-        // Ready for a hand-off again while this waits.
-        if let (true, Some((_, waiting)), None) = (self.hand_off, &self.ticket, &self.offer) {
-            self.offer = Some(waiting.offer(self.ask.token(), self.ttl, self.cohort));
-        }
         tokio::select! {
             handed = receive(&mut self.offer) => Ok(handed),
             () = woken => Ok(None),
@@ -545,13 +446,9 @@ impl<'a, A: Ask> Engine<'a, A> {
     /// The outcome of a hand-off: the lock's lease began when it was sent, or is the shared
     /// lease of the hold passed locally.
     fn handed(&mut self, handed: Handed) -> Outcome<A::Fences> {
-        // A hand-off through the server gave this request's own token: it covers any grant an
-        // unanswered attempt may hold, which must not be released now. A local pass gave
-        // another: the cover stays, for what such an attempt may hold.
-        if !handed.is_local() {
-            self.cover.maybe_held = false;
-        }
-        if let Some(ticket) = self.ticket() {
+        self.cover.claimed(&handed);
+        // The waiters behind a plain lock's holder queue for its release.
+        if let (true, Some(ticket)) = (self.hand_off, self.ticket()) {
             ticket.holding(handed.lease_until(self.ttl));
         }
         self.settle(Won::Handed(handed))
@@ -582,24 +479,18 @@ impl<'a, A: Ask> Engine<'a, A> {
         &self.names[at.min(self.names.len() - 1)].name
     }
 
-    fn past_deadline(&self) -> bool {
-        self.bounds.deadline.is_some_and(|d| d <= Instant::now())
-    }
-
-    /// The error of a request that gives up now: the last word decides, so a failure to reach
-    /// Redis is not reported as busy. Once in the queue, the word of whichever local waiter
-    /// asked last (see `Ticket::heard`).
-    fn give_up_now(&self) -> LockError {
-        let failure = match self.ticket() {
+    /// The error of a request that gives up now. A fair request first leaves the server's
+    /// queue (giving back a lock a release granted it meanwhile); if Redis does not answer,
+    /// the cover sends that again. The last word decides: a failure to reach Redis is not
+    /// reported as busy.
+    async fn give_up(&mut self) -> LockError {
+        if self.mode == Mode::Fair {
+            self.cover.give_back().await;
+        }
+        let failure = match self.queue_heard() {
             Some(ticket) => ticket.last_failure(),
             None => self.failure.clone(),
         };
-        self.give_up(failure)
-    }
-
-    /// The error of a request that gave up with `failure` as the last word; a busy error
-    /// carries the holder the server named, if it did.
-    pub(crate) fn give_up(&self, failure: Option<redis::RedisError>) -> LockError {
         let key = self.name(self.busy_at);
         match failure {
             Some(error) => LockError::redis(key, error),
@@ -611,157 +502,6 @@ impl<'a, A: Ask> Engine<'a, A> {
                 holder: None,
             },
         }
-    }
-}
-
-/// Fair mode: ask (which queues this request in Redis the first time), then wait for the
-/// grant — handed over by a release of this manager, or heard from another's — or for the
-/// timer that renews the queue entry and notices an expiry.
-impl<'a, A: Ask> Engine<'a, A> {
-    /// The fair loop. `join`: the request may queue (it may wait).
-    pub(crate) async fn fair(mut self, join: bool) -> Result<Outcome<A::Fences>, LockError> {
-        self.fair = true;
-        let mut looked_again = false;
-        loop {
-            // No offer stands while this waiter asks the server itself; one a release took
-            // meanwhile decides first.
-            if let Some(handed) = self.withdraw_offer().await? {
-                return Ok(self.fair_handed(handed));
-            }
-            // Where this manager already waits for the key, this request waits with them
-            // from its first attempt on: it hears every grant from then on, and needs no
-            // second look.
-            if self.ticket.is_none() && join && self.has_waiters() {
-                self.join_fair();
-            }
-            let heard_all = self.ticket().is_some_and(Ticket::is_subscribed);
-            self.attempts += 1;
-            let First { sent, outcome } = self.send().await?;
-            let holder_ttl = match self.fair_answer(outcome)? {
-                Ok(won) => {
-                    self.cover.maybe_held = false;
-                    return Ok(self.settle(Won::Asked { won, sent }));
-                }
-                Err(holder_ttl) => holder_ttl,
-            };
-            if self.attempts > self.bounds.retries || self.past_deadline() {
-                return Err(self.fair_give_up().await);
-            }
-            if self.ticket.is_none() {
-                self.join_fair();
-            }
-            if !heard_all {
-                self.fair_subscribe().await?;
-                // The first time, ask again at once: a grant published before the
-                // subscription went unheard.
-                if !looked_again {
-                    looked_again = true;
-                    continue;
-                }
-            }
-            if let Some(handed) = self.fair_pause(holder_ttl).await? {
-                return Ok(self.fair_handed(handed));
-            }
-            if self.past_deadline() {
-                // A grant that came meanwhile is given back (or passed on) by the leaving.
-                return Err(self.fair_give_up().await);
-            }
-        }
-    }
-
-    /// A fair attempt's answer: the grant, or the holder's lease to wait for.
-    #[allow(clippy::type_complexity)]
-    fn fair_answer(
-        &mut self,
-        outcome: redis::RedisResult<Reply<A::Fences>>,
-    ) -> Result<Result<A::Fences, Option<Duration>>, LockError> {
-        Ok(Err(match outcome {
-            Ok(Reply::Held(won)) => return Ok(Ok(won)),
-            Ok(Reply::Busy { holder_ttl, .. }) => {
-                self.failure = None;
-                holder_ttl
-            }
-            Ok(refused @ Reply::Unreplicated { .. }) => return Err(self.refused(refused)),
-            Ok(Reply::PermitsMismatch { .. }) => None,
-            Err(error) if is_transient(&error) => {
-                tracing::debug!(attempts = self.attempts, %error, "acquire attempt failed");
-                self.failure = Some(error);
-                None
-            }
-            Err(error) => return Err(LockError::redis(self.name(0), error)),
-        }))
-    }
-
-    fn join_fair(&mut self) {
-        let inner = self.inner;
-        let ticket = inner.waiters.join_fair(
-            self.ask.wake(0),
-            self.ask.token(),
-            &inner.backend,
-            &inner.driver,
-            self.metrics,
-        );
-        self.ticket = Some((0, ticket));
-    }
-
-    /// Follows the wake channel (again, after a lost connection), within the deadline.
-    async fn fair_subscribe(&self) -> Result<(), LockError> {
-        let Some(waiting) = self.ticket() else {
-            return Ok(());
-        };
-        tokio::select! {
-            () = waiting.subscribe() => Ok(()),
-            () = until(self.inner, self.bounds.deadline) => Ok(()),
-            () = self.inner.holds.until_shut_down() => Err(LockError::ShutDown),
-        }
-    }
-
-    /// Grants are told; asking again only renews the entry and notices a holder whose lease
-    /// ended (which tells nobody). A request bounded by a number of retries spends them at
-    /// its backoff's pace, as any other.
-    async fn fair_pause(
-        &mut self,
-        holder_ttl: Option<Duration>,
-    ) -> Result<Option<Handed>, LockError> {
-        let pause = if self.bounds.retries == u32::MAX {
-            let expiry = holder_ttl.map(|ttl| ttl + Duration::from_millis(1));
-            expiry.unwrap_or(FAIR_REFRESH).min(FAIR_REFRESH)
-        } else {
-            self.backoff
-                .delay(self.attempts, holder_ttl)
-                .min(FAIR_REFRESH)
-        };
-        let mut until = Instant::now() + pause;
-        if let Some(deadline) = self.bounds.deadline {
-            until = until.min(deadline);
-        }
-        let Some((_, waiting)) = &self.ticket else {
-            return Ok(None);
-        };
-        self.offer = Some(waiting.offer(self.ask.token(), self.ttl, false));
-        tokio::select! {
-            handed = receive(&mut self.offer) => Ok(handed),
-            () = waiting.signalled() => Ok(None),
-            _ = self.inner.sleep_until(until) => Ok(None),
-            () = self.inner.holds.until_shut_down() => Err(LockError::ShutDown),
-        }
-    }
-
-    fn fair_handed(&mut self, handed: Handed) -> Outcome<A::Fences> {
-        self.cover.maybe_held = false;
-        self.settle(Won::Handed(handed))
-    }
-
-    /// A fair request that gives up leaves the queue before it answers (and gives back a lock
-    /// a release granted it meanwhile); if Redis does not answer, the cover sends that again.
-    async fn fair_give_up(&mut self) -> LockError {
-        if let Some(released) = self.ask.give_back(self.inner).await {
-            self.cover.maybe_held = false;
-            if released {
-                tracing::debug!("a lock granted while giving up was passed on");
-            }
-        }
-        self.give_up(self.failure.clone())
     }
 }
 
@@ -847,8 +587,15 @@ async fn receive(offer: &mut Option<oneshot::Receiver<Handed>>) -> Option<Handed
     handed
 }
 
-/// An attempt whose answer has not arrived: if the request is dropped here, the hold may
-/// exist on the server, so a release is sent behind it on the same connection.
+/// What an attempt may leave on the server that nothing else gives back, while the request
+/// has not settled: if the request is dropped (or gives up) there, a release is sent behind
+/// it on the same connection.
+///
+/// That is a hold granted to an attempt whose answer has not arrived (or was lost), and a
+/// fair request's place in the server's queue, which a release may grant the lock to until
+/// the request leaves it. The state is written where an attempt is sent and answered
+/// ([`send`](Self::send)), where a hand-off is claimed and where a fair request leaves its
+/// queue, and read in `drop`.
 ///
 /// It also covers a writer's intent. A writer refused while it may try again leaves an
 /// intent that keeps new readers out (see `write_acquire.lua`); one that stops waiting
@@ -859,7 +606,8 @@ async fn receive(offer: &mut Option<oneshot::Receiver<Handed>>) -> Option<Handed
 pub(crate) struct Cover<'a, A: Ask> {
     inner: &'a Arc<Inner>,
     ask: &'a A,
-    pub(crate) maybe_held: bool,
+    /// The request may hold the lock on the server, by an attempt or a place in its queue.
+    maybe_held: bool,
     /// An intent of this request may be in Redis (an answered attempt was refused).
     intent_left: bool,
 }
@@ -875,12 +623,59 @@ impl<'a, A: Ask> Cover<'a, A> {
         }
     }
 
-    /// Notes what an attempt's answer (`None`: none came) means for the intent: a writer
-    /// granted the lock took its own intent back in the same script; one refused, or whose
-    /// answer was lost, may have left one.
-    fn answered(&mut self, reply: Option<&Reply<A::Fences>>) {
-        self.intent_left =
-            self.ask.intent().is_some() && matches!(reply, None | Some(Reply::Busy { .. }));
+    /// Sends one attempt, covered from now until its answer has come: when it was sent, and
+    /// the answer.
+    pub(crate) async fn send(
+        &mut self,
+        metrics: Labels,
+    ) -> Result<Attempted<A::Fences>, LockError> {
+        crate::metrics::attempt(metrics);
+        let sent = Instant::now();
+        self.maybe_held = true;
+        let answer = self.ask.send(self.inner).await?;
+        if answer.is_ok() {
+            self.inner.waiters.attempted();
+        }
+        self.answered(&answer);
+        Ok(Attempted { sent, answer })
+    }
+
+    /// What an attempt's answer leaves to cover.
+    fn answered(&mut self, answer: &redis::RedisResult<AcquireAnswer<A::Fences>>) {
+        self.maybe_held = match answer {
+            // The guard built from it gives it back.
+            Ok(AcquireAnswer::Held(_)) => false,
+            // Turned away, a fair request keeps its place in the server's queue.
+            Ok(_) => self.ask.fair(),
+            // A lost reply may hide a grant.
+            Err(_) => true,
+        };
+        // A writer granted the lock took its own intent back in the same script; one refused,
+        // or whose answer was lost, may have left one.
+        self.intent_left = self.ask.intent().is_some()
+            && matches!(answer, Err(_) | Ok(AcquireAnswer::Busy { .. }));
+    }
+
+    /// A local release handed the lock over. Through the server, it went to this request's
+    /// own token, which covers any grant an unanswered attempt may hold: that must not be
+    /// released now. A local pass gave another's hold: the cover stays, for what such an
+    /// attempt may hold.
+    fn claimed(&mut self, handed: &Handed) {
+        if !handed.is_local() {
+            self.maybe_held = false;
+        }
+    }
+
+    /// Gives back now what the attempts may hold (a fair request leaves the server's queue,
+    /// and gives back a lock a release granted it meanwhile); if Redis does not answer,
+    /// `drop` sends it again.
+    async fn give_back(&mut self) {
+        if let Some(released) = self.ask.give_back(self.inner).await {
+            self.maybe_held = false;
+            if released {
+                tracing::debug!("a lock granted while giving up was passed on");
+            }
+        }
     }
 
     /// Takes back the intent an answered, refused attempt left, now.

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use tracing::Instrument;
 
 use crate::LockError;
-use crate::backend::{AcquireRequest, Attempt, HoldIds, Shape};
+use crate::backend::{AcquireAnswer, AcquireRequest, HoldIds, Shape};
 use crate::context::{self, Held, HoldKind};
-use crate::engine::{Ask, Cover, Engine, First, Outcome, Reply, Won};
+use crate::engine::{Ask, Attempted, Cover, Engine, Outcome, Won};
 use crate::guard::{Acquired, LockGuard, Parts};
 use crate::key::Keys;
 use crate::lease::LeaseState;
@@ -138,9 +138,11 @@ async fn take(manager: &LockManager, asking: Box<Server>) -> Result<LockGuard, L
             started,
         )
     };
-    if let Shape::Fair { join, .. } = request.shape {
-        // Boxed: its state stays out of the plain path's future.
-        let outcome = Box::pin(engine().fair(join)).await?;
+    if let Shape::Fair { .. } = request.shape {
+        // Boxed: its state stays out of the plain path's future. A fair request waits with
+        // this manager's waiters of the lock from its first attempt on: it hears every grant
+        // from then on.
+        let outcome = Box::pin(engine().wait(None, true)).await?;
         return Ok(granted(manager, plan, request, kind, outcome));
     }
     // A plain lock can be handed over by a local release, in that release's round trip.
@@ -157,14 +159,11 @@ async fn take(manager: &LockManager, asking: Box<Server>) -> Result<LockGuard, L
         // need not carry the waiting loop's state. Inline, not boxed: a box this size costs
         // the allocator's slow path on every lock (about 5 % of the client's work per lock).
         let mut cover = Cover::new(inner, &request);
-        match crate::engine::send(inner, &request, plan.metrics, &mut cover).await? {
-            First {
+        match cover.send(plan.metrics).await? {
+            Attempted {
                 sent,
-                outcome: Ok(Reply::Held(fence)),
-            } => {
-                cover.maybe_held = false;
-                Outcome::at_once(fence, sent, started)
-            }
+                answer: Ok(AcquireAnswer::Held(fence)),
+            } => Outcome::at_once(fence, sent, started),
             first => {
                 // The loop takes over the attempt's answer, and its cover if it may have
                 // been granted.
@@ -443,21 +442,15 @@ fn build(
 impl Ask for Arc<AcquireRequest> {
     type Fences = u64;
 
-    async fn send(&self, inner: &Inner) -> Result<redis::RedisResult<Reply<u64>>, LockError> {
+    async fn send(&self, inner: &Inner) -> Result<redis::RedisResult<AcquireAnswer>, LockError> {
         let attempt = self.clone();
-        let outcome = inner
+        inner
             .exec(move |backend| async move { backend.acquire(&attempt).await })
-            .await?;
-        Ok(outcome.map(|attempt| match attempt {
-            Attempt::Held { fence } => Reply::Held(fence),
-            Attempt::Busy { holder_ttl, holder } => Reply::Busy {
-                at: 0,
-                holder_ttl,
-                holder,
-            },
-            Attempt::Unreplicated { acked, wanted } => Reply::Unreplicated { acked, wanted },
-            Attempt::PermitsMismatch { stored } => Reply::PermitsMismatch { stored },
-        }))
+            .await
+    }
+
+    fn fair(&self) -> bool {
+        matches!(self.shape, Shape::Fair { .. })
     }
 
     fn token(&self) -> &str {

@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use tracing::Instrument;
 
-use crate::backend::{HoldIds, SetAttempt, SetKey, SetRequest};
+use crate::backend::{AcquireAnswer, HoldIds, SetKey, SetRequest};
 use crate::context::{Held, HoldKind};
-use crate::engine::{Ask, Engine, Reply, Won};
+use crate::engine::{Ask, Engine, Won};
 use crate::guard::Acquired;
 use crate::holds::Live;
 use crate::key::Keys;
@@ -231,20 +231,14 @@ impl Ask for SetRequest {
     type Fences = Vec<u64>;
     const SET: bool = true;
 
-    async fn send(&self, inner: &Inner) -> Result<redis::RedisResult<Reply<Vec<u64>>>, LockError> {
+    async fn send(
+        &self,
+        inner: &Inner,
+    ) -> Result<redis::RedisResult<AcquireAnswer<Vec<u64>>>, LockError> {
         let attempt = self.clone();
-        let outcome = inner
+        inner
             .exec(move |backend| async move { backend.acquire_set(&attempt).await })
-            .await?;
-        Ok(outcome.map(|attempt| match attempt {
-            SetAttempt::Held { fences } => Reply::Held(fences),
-            SetAttempt::Busy { at, holder_ttl } => Reply::Busy {
-                at,
-                holder_ttl,
-                holder: None,
-            },
-            SetAttempt::Unreplicated { acked, wanted } => Reply::Unreplicated { acked, wanted },
-        }))
+            .await
     }
 
     fn token(&self) -> &str {

@@ -9,14 +9,18 @@ use super::link::Query;
 use crate::scripts;
 pub(crate) use crate::scripts::millis;
 
-/// The answer to one acquire attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Attempt {
-    /// The caller holds the lock; `fence` is its fencing token (0 without fencing).
-    Held { fence: u64 },
-    /// Another owner holds it for about this much longer (`None`: no expiry was reported);
-    /// `holder` is that owner's token (as two numbers), when the server named it.
+/// The server's answer to one acquire attempt: at one lock (`F`, its fencing token) or at a
+/// set (`F`, one token per lock, in the request's order).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum AcquireAnswer<F = u64> {
+    /// The caller holds the lock (every lock of the set); the fencing token(s), 0 without
+    /// fencing.
+    Held(F),
+    /// Another owner holds lock `at` (0 for one lock; an index into a set's request) for
+    /// about `holder_ttl` more (`None`: no expiry was reported); `holder` is that owner's
+    /// token (as two numbers), when the server named it.
     Busy {
+        at: usize,
         holder_ttl: Option<Duration>,
         holder: Option<[u64; 2]>,
     },
@@ -188,7 +192,11 @@ pub(super) enum AcquireCall<'a> {
 impl AcquireCall<'_> {
     /// The scripts' calls are boxed: their futures are large, and the native `SET` of
     /// every plain lock would carry them.
-    pub(super) async fn run<C: Query>(&self, conn: &mut C, token: &str) -> RedisResult<Attempt> {
+    pub(super) async fn run<C: Query>(
+        &self,
+        conn: &mut C,
+        token: &str,
+    ) -> RedisResult<AcquireAnswer> {
         match self {
             Self::Script(call) => {
                 let (held, value): (i64, i64) = Box::pin(call.invoke_async(conn)).await?;
@@ -199,7 +207,7 @@ impl AcquireCall<'_> {
             // fencing or min_hold) answers WRONGTYPE: the script decides, as it alone can
             // clear read shares or permits whose leases have ended.
             Self::Set { set, req } => match conn.query::<Option<String>>(set).await {
-                Ok(None) => Ok(Attempt::Held { fence: 0 }),
+                Ok(None) => Ok(AcquireAnswer::Held(0)),
                 // The lease must count from this attempt, as the caller's deadline will: the
                 // earlier send set it from then. Lengthened only if still this owner's.
                 Ok(Some(value)) if value == token => {
@@ -211,9 +219,10 @@ impl AcquireCall<'_> {
                     };
                     let extended: i64 = Box::pin(extend.call().invoke_async(conn)).await?;
                     Ok(if extended == 1 {
-                        Attempt::Held { fence: 0 }
+                        AcquireAnswer::Held(0)
                     } else {
-                        Attempt::Busy {
+                        AcquireAnswer::Busy {
+                            at: 0,
                             holder_ttl: None,
                             holder: None,
                         }
@@ -221,7 +230,8 @@ impl AcquireCall<'_> {
                 }
                 Ok(Some(holder)) => {
                     let left: i64 = conn.query(redis::cmd("PTTL").arg(&req.lock)).await?;
-                    Ok(Attempt::Busy {
+                    Ok(AcquireAnswer::Busy {
+                        at: 0,
                         holder_ttl: holder_ttl(left),
                         holder: token_words(&holder),
                     })
@@ -277,15 +287,14 @@ fn holder_ttl(pttl: i64) -> Option<Duration> {
 }
 
 /// The answer of an acquire script: `(1, fence)` when granted, `(0, holder's pttl)` when not.
-pub(super) fn attempt(held: i64, value: i64) -> Attempt {
+pub(super) fn attempt(held: i64, value: i64) -> AcquireAnswer {
     match held {
-        1 => Attempt::Held {
-            fence: u64::try_from(value).unwrap_or(0),
-        },
-        -1 => Attempt::PermitsMismatch {
+        1 => AcquireAnswer::Held(u64::try_from(value).unwrap_or(0)),
+        -1 => AcquireAnswer::PermitsMismatch {
             stored: u32::try_from(value).unwrap_or(u32::MAX),
         },
-        _ => Attempt::Busy {
+        _ => AcquireAnswer::Busy {
+            at: 0,
             holder_ttl: u64::try_from(value).ok().map(Duration::from_millis),
             holder: None,
         },

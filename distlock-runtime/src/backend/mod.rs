@@ -25,12 +25,12 @@ mod sentinel;
 mod sets;
 
 pub(crate) use hold::{
-    AcquireRequest, Attempt, FAIR_REFRESH, FairQueue, FairRelease, HoldIds, Renewal, Shape,
+    AcquireAnswer, AcquireRequest, FAIR_REFRESH, FairQueue, FairRelease, HoldIds, Renewal, Shape,
     token_text,
 };
 pub(crate) use node::{Node, denied};
 pub(crate) use pool::ConnectOptions;
-pub(crate) use sets::{SetAttempt, SetKey, SetRequest};
+pub(crate) use sets::{SetKey, SetRequest};
 
 use crate::scripts;
 use hold::HoldRef;
@@ -170,7 +170,7 @@ impl Backend {
     }
 
     /// One acquire attempt.
-    pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
+    pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<AcquireAnswer> {
         // Boxed: the quorum's future is large, and every single-endpoint lock would carry it.
         each!(self, node => node.acquire(req).await, masters => Box::pin(masters.acquire(req)).await)
     }
@@ -278,7 +278,10 @@ impl Backend {
     }
 
     /// One attempt at a set of locks taken together.
-    pub(crate) async fn acquire_set(&self, req: &SetRequest) -> RedisResult<SetAttempt> {
+    pub(crate) async fn acquire_set(
+        &self,
+        req: &SetRequest,
+    ) -> RedisResult<AcquireAnswer<Vec<u64>>> {
         each!(self,
             node => node.acquire_set(req).await,
             masters => masters.acquire_set(req).await)

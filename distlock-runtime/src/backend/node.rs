@@ -21,8 +21,8 @@ use crate::scripts;
 
 use super::cluster;
 use super::hold::{
-    AcquireCall, AcquireRequest, Attempt, FAIR_ENTRY_LEASE, FAIR_UNCLAIMED, FairQueue, FairRelease,
-    HoldIds, HoldRef, Renewal, Shape, millis,
+    AcquireAnswer, AcquireCall, AcquireRequest, FAIR_ENTRY_LEASE, FAIR_UNCLAIMED, FairQueue,
+    FairRelease, HoldIds, HoldRef, Renewal, Shape, millis,
 };
 use super::link::Query;
 use super::pool::{AnswerBound, Conn, ConnectOptions, NativeDelete, Pool, bounded};
@@ -338,7 +338,7 @@ impl Node {
     }
 
     /// One acquire attempt for the hold of `req.token` on `req.lock`.
-    pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
+    pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<AcquireAnswer> {
         let mut conn = self.conn().await?;
         let call = self.acquire_call(req);
         if let Some(sync) = self.pool.sync_replicas {
@@ -443,10 +443,10 @@ impl Node {
         req: &AcquireRequest,
         call: &AcquireCall<'_>,
         (wanted, timeout): (u32, Duration),
-    ) -> RedisResult<Attempt> {
+    ) -> RedisResult<AcquireAnswer> {
         let mut conn = self.replicated_conn().await?;
         let answer = self.watch(self.bounded(call.run(&mut conn, &req.token)).await)?;
-        if let Attempt::Held { .. } = answer {
+        if let AcquireAnswer::Held { .. } = answer {
             let wait = redis::cmd("WAIT")
                 .arg(wanted)
                 .arg(millis(timeout))
@@ -462,7 +462,7 @@ impl Node {
             let acked = u32::try_from(acked).unwrap_or(0);
             if acked < wanted {
                 self.release(&req.hold_ids(), Duration::ZERO).await?;
-                return Ok(Attempt::Unreplicated { acked, wanted });
+                return Ok(AcquireAnswer::Unreplicated { acked, wanted });
             }
         } else {
             self.pool.put_back(conn);

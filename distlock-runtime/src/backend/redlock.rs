@@ -14,7 +14,7 @@ use futures_util::stream::FuturesUnordered;
 use redis::{RedisError, RedisResult};
 use tokio::runtime;
 
-use super::hold::{AcquireRequest, Attempt, HoldIds, HoldRef, Renewal};
+use super::hold::{AcquireAnswer, AcquireRequest, HoldIds, HoldRef, Renewal};
 use super::node::Node;
 use super::pool::{ConnectOptions, bounded};
 
@@ -93,7 +93,7 @@ impl RedLock {
     }
 
     /// One acquire attempt.
-    pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<Attempt> {
+    pub(crate) async fn acquire(&self, req: &AcquireRequest) -> RedisResult<AcquireAnswer> {
         let limit = node_limit(req.lease);
         let started = std::time::Instant::now();
         let answers = self
@@ -106,15 +106,16 @@ impl RedLock {
         let mut holder: Option<[u64; 2]> = None;
         for attempt in answers.into_iter().filter_map(|answer| tally.count(answer)) {
             match attempt {
-                Attempt::Held { fence: f } => {
+                AcquireAnswer::Held(f) => {
                     held += 1;
                     fence = fence.max(f);
                 }
                 // Semaphores are not available with several masters: no mismatch comes here.
-                Attempt::Unreplicated { .. } | Attempt::PermitsMismatch { .. } => {}
-                Attempt::Busy {
+                AcquireAnswer::Unreplicated { .. } | AcquireAnswer::PermitsMismatch { .. } => {}
+                AcquireAnswer::Busy {
                     holder_ttl,
                     holder: named,
+                    ..
                 } => {
                     holder = holder.or(named);
                     // A master whose copy is gone since (another waiter's minority grant,
@@ -126,14 +127,15 @@ impl RedLock {
             }
         }
         if tally.granted(held, elapsed, req.lease) {
-            return Ok(Attempt::Held { fence });
+            return Ok(AcquireAnswer::Held(fence));
         }
         // Not held: give back whatever was granted, on every node, before answering.
         if tally.maybe_granted(held) {
             self.give_back(req.hold_ids(), limit).await;
         }
         // Too few answers to call it busy: report why.
-        tally.outcome(Attempt::Busy {
+        tally.outcome(AcquireAnswer::Busy {
+            at: 0,
             holder_ttl: busy_for,
             holder,
         })

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use redis::RedisResult;
 
-use super::hold::millis;
+use super::hold::{AcquireAnswer, millis};
 use super::node::Node;
 use super::pool::bounded;
 use super::redlock::{RedLock, if_eligible, node_limit, sooner};
@@ -30,21 +30,6 @@ pub(crate) struct SetRequest {
     pub(crate) fencing: bool,
 }
 
-/// The answer to one attempt at a set.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum SetAttempt {
-    /// Every lock is held; one fencing token per lock, in the request's order (0 without).
-    Held { fences: Vec<u64> },
-    /// Nothing is held: lock `at` (an index into the request) is held by another owner for
-    /// about `holder_ttl` more.
-    Busy {
-        at: usize,
-        holder_ttl: Option<Duration>,
-    },
-    /// Granted, but fewer replicas than asked acknowledged it: already given back.
-    Unreplicated { acked: u32, wanted: u32 },
-}
-
 impl SetRequest {
     /// The same request restricted to the locks at `indices`.
     fn part(&self, indices: &[usize]) -> Self {
@@ -59,7 +44,10 @@ impl SetRequest {
 
 impl Node {
     /// One attempt at a whole set: one script call, or on Cluster one per hash slot.
-    pub(crate) async fn acquire_set(&self, req: &SetRequest) -> RedisResult<SetAttempt> {
+    pub(crate) async fn acquire_set(
+        &self,
+        req: &SetRequest,
+    ) -> RedisResult<AcquireAnswer<Vec<u64>>> {
         let locks = req.keys.iter().map(|k| k.lock.as_str());
         let Some(groups) = self.route.slot_groups(locks) else {
             return self.acquire_together(req).await;
@@ -68,15 +56,16 @@ impl Node {
         for (taken, group) in groups.iter().enumerate() {
             let answer = self.acquire_together(&req.part(group)).await;
             let outcome = match answer {
-                Ok(SetAttempt::Held { fences: got }) => {
+                Ok(AcquireAnswer::Held(got)) => {
                     for (&at, fence) in group.iter().zip(got) {
                         fences[at] = fence;
                     }
                     continue;
                 }
-                Ok(SetAttempt::Busy { at, holder_ttl }) => Ok(SetAttempt::Busy {
+                Ok(AcquireAnswer::Busy { at, holder_ttl, .. }) => Ok(AcquireAnswer::Busy {
                     at: group[at],
                     holder_ttl,
+                    holder: None,
                 }),
                 Ok(other) => Ok(other),
                 // The reply may be lost after a grant: that group is given back too.
@@ -93,11 +82,11 @@ impl Node {
             }
             return outcome.map_err(|(error, _)| error);
         }
-        Ok(SetAttempt::Held { fences })
+        Ok(AcquireAnswer::Held(fences))
     }
 
     /// One script call for locks that all live in one hash slot (any locks, off Cluster).
-    async fn acquire_together(&self, req: &SetRequest) -> RedisResult<SetAttempt> {
+    async fn acquire_together(&self, req: &SetRequest) -> RedisResult<AcquireAnswer<Vec<u64>>> {
         let call = scripts::multi_acquire(
             req.keys
                 .iter()
@@ -109,13 +98,13 @@ impl Node {
         let Some((wanted, timeout)) = self.pool.sync_replicas else {
             let mut conn = self.conn().await?;
             let answer: Vec<i64> = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
-            return set_attempt(&answer);
+            return set_answer(&answer);
         };
         // As for one lock: the grant and its WAIT on a connection of their own.
         let mut conn = self.replicated_conn().await?;
         let answer: Vec<i64> = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
-        let attempt = set_attempt(&answer)?;
-        if matches!(attempt, SetAttempt::Held { .. }) {
+        let attempt = set_answer(&answer)?;
+        if matches!(attempt, AcquireAnswer::Held(_)) {
             let wait = redis::cmd("WAIT")
                 .arg(wanted)
                 .arg(millis(timeout))
@@ -126,7 +115,7 @@ impl Node {
             let acked = u32::try_from(acked).unwrap_or(0);
             if acked < wanted {
                 self.release_set(req).await?;
-                return Ok(SetAttempt::Unreplicated { acked, wanted });
+                return Ok(AcquireAnswer::Unreplicated { acked, wanted });
             }
         } else {
             self.pool.put_back(conn);
@@ -160,17 +149,18 @@ impl Node {
 }
 
 /// The answer of the set script: `{1, fence…}` or `{0, index (1-based), pttl}`.
-fn set_attempt(answer: &[i64]) -> RedisResult<SetAttempt> {
+fn set_answer(answer: &[i64]) -> RedisResult<AcquireAnswer<Vec<u64>>> {
     match answer {
-        [1, fences @ ..] => Ok(SetAttempt::Held {
-            fences: fences
+        [1, fences @ ..] => Ok(AcquireAnswer::Held(
+            fences
                 .iter()
                 .map(|&f| u64::try_from(f).unwrap_or(0))
                 .collect(),
-        }),
-        [0, at, pttl] => Ok(SetAttempt::Busy {
+        )),
+        [0, at, pttl] => Ok(AcquireAnswer::Busy {
             at: usize::try_from(*at - 1).unwrap_or(0),
             holder_ttl: u64::try_from(*pttl).ok().map(Duration::from_millis),
+            holder: None,
         }),
         _ => Err(io::Error::other("unexpected answer from the set script").into()),
     }
@@ -179,7 +169,10 @@ fn set_attempt(answer: &[i64]) -> RedisResult<SetAttempt> {
 impl RedLock {
     /// One attempt at a set; with several masters, held when a majority granted the whole
     /// set and the lease left is positive, given back on every master otherwise.
-    pub(crate) async fn acquire_set(&self, req: &SetRequest) -> RedisResult<SetAttempt> {
+    pub(crate) async fn acquire_set(
+        &self,
+        req: &SetRequest,
+    ) -> RedisResult<AcquireAnswer<Vec<u64>>> {
         let limit = node_limit(req.lease);
         let started = std::time::Instant::now();
         let answers = self
@@ -191,27 +184,26 @@ impl RedLock {
         let (mut busy_at, mut busy_for) = (None, None::<Duration>);
         for attempt in answers.into_iter().filter_map(|answer| tally.count(answer)) {
             match attempt {
-                SetAttempt::Held { .. } => held += 1,
-                SetAttempt::Busy { at, holder_ttl } => {
+                AcquireAnswer::Held(_) => held += 1,
+                AcquireAnswer::Busy { at, holder_ttl, .. } => {
                     busy_at.get_or_insert(at);
                     busy_for = sooner(busy_for, holder_ttl);
                 }
-                // Replication is not combined with several masters.
-                SetAttempt::Unreplicated { .. } => {}
+                // Replication is not combined with several masters; sets ask for no permits.
+                AcquireAnswer::Unreplicated { .. } | AcquireAnswer::PermitsMismatch { .. } => {}
             }
         }
         if tally.granted(held, elapsed, req.lease) {
             // Fencing is not available with several masters: no token to report.
-            return Ok(SetAttempt::Held {
-                fences: vec![0; req.keys.len()],
-            });
+            return Ok(AcquireAnswer::Held(vec![0; req.keys.len()]));
         }
         if tally.maybe_granted(held) {
             self.on_all(limit, |n| n.release_set(req)).await;
         }
-        tally.outcome(SetAttempt::Busy {
+        tally.outcome(AcquireAnswer::Busy {
             at: busy_at.unwrap_or(0),
             holder_ttl: busy_for,
+            holder: None,
         })
     }
 

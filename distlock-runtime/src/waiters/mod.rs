@@ -28,7 +28,6 @@
 //! manager goes to that waiter's standing offer too.
 
 use std::collections::{HashMap, VecDeque};
-use std::fmt;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -39,10 +38,15 @@ use redis::aio::{PubSubSink, PubSubStream};
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 
-use crate::backend::{Backend, FairRelease, HoldIds, SetRequest};
-use crate::cohort::Run;
+use crate::backend::Backend;
 use crate::driver::Driver;
-use crate::lease::keep_from;
+
+mod choice;
+mod releaser;
+
+use choice::{Choice, SLICE, Terms, choose};
+pub(crate) use choice::{CohortBounds, Passable};
+pub(crate) use releaser::{Handed, LocalPass, Releaser};
 
 /// The waiting side of one manager (a clone is another handle on the same waiters).
 #[derive(Debug, Clone)]
@@ -146,42 +150,9 @@ struct SittingOut {
     until: Instant,
 }
 
-/// Local hand-offs in a row, at most, before a release goes to everyone.
-const CHAIN: u32 = 4;
-/// The longest run of local hand-offs; a tenth of the holder's lease when that is shorter.
-const SLICE: Duration = Duration::from_millis(50);
 /// How long a key stays followed after a cohort's holder released it with nobody waiting
 /// (see `Queue::linger_until`).
 const LINGER: Duration = Duration::from_millis(2);
-
-/// The bounds of a cohort's run: local passes in a row, at most, and for how long (see
-/// [`LockManagerBuilder::cohort`](crate::LockManagerBuilder::cohort)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct CohortBounds {
-    pub(crate) passes: u32,
-    pub(crate) time: Duration,
-}
-
-impl Default for CohortBounds {
-    fn default() -> Self {
-        Self {
-            passes: 64,
-            time: Duration::from_millis(10),
-        }
-    }
-}
-
-/// What a releasing holder may pass locally: its request allows cohorts, and what is left
-/// of its server lease.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Passable {
-    /// What is left of the server hold's lease, by the local clock.
-    pub(crate) remaining: Duration,
-    /// How many passes the hold is from the server's grant.
-    pub(crate) passes: u32,
-    /// When its run's first pass was made (none yet: this one would be).
-    pub(crate) run_began: Option<Instant>,
-}
 
 #[derive(Debug)]
 struct Entry {
@@ -214,25 +185,6 @@ pub(crate) struct Offer {
     /// The waiter may take the lock by a local pass (its request allows cohorts).
     pub(crate) cohort: bool,
     pub(crate) handed: tokio::sync::oneshot::Sender<Handed>,
-}
-
-/// A lock handed over by a local release, on its way to the waiter that offered to take it.
-/// Dropped unclaimed (that waiter gave up meanwhile), it gives the lock back from the
-/// manager's runtime.
-pub(crate) struct Handed {
-    sent: Instant,
-    unclaimed: Option<(Releaser, Arc<HoldIds>)>,
-    /// Passed locally: the server hold taken over as it is.
-    local: Option<LocalPass>,
-}
-
-/// A server hold passed on by a local release, with no server command: the run it belongs
-/// to (which names the hold and its lease, and whose checks tell whether the server still
-/// has it), and how many passes it is from the server's grant.
-#[derive(Debug)]
-pub(crate) struct LocalPass {
-    pub(crate) run: Arc<Run>,
-    pub(crate) passes: u32,
 }
 
 /// What a release should do about the local waiters of its key.
@@ -459,13 +411,10 @@ impl Waiters {
         }
     }
 
-    /// What a release of the lock behind `channel` by this manager should do: hand it to the
-    /// local head's standing offer while the run of hand-offs is short, or release it. The
-    /// offer taken is gone from the queue: its waiter finds it taken and waits for the outcome.
-    ///
-    /// Only an offer stands aside other processes, and only once its hand-off has landed: a
-    /// head that cannot take a hand-off (another kind, a set, a fair or fenced request) or is
-    /// asking the server itself leaves the release to everyone, with its wake-up.
+    /// What a release of the lock behind `channel` by this manager should do (see
+    /// [`choose`]): hand it to the local head's standing offer while the run of hand-offs is
+    /// short, or release it. The offer taken is gone from the queue: its waiter finds it
+    /// taken and waits for the outcome.
     pub(crate) fn next(&self, channel: &str, lease: Duration, passable: Option<Passable>) -> Next {
         let Some(key) = self.shared.lock_keys().get(channel).cloned() else {
             return Next::Release;
@@ -477,68 +426,46 @@ impl Waiters {
             .iter_mut()
             .find(|entry| entry.fair.is_none())
             .and_then(|head| head.offer.take_if(|offer| !offer.handed.is_closed()));
-        let Some(offer) = offer else {
-            // A release to everyone ends any run of hand-offs.
-            queue.chain = None;
-            if passable.is_some() && queue.entries.is_empty() {
-                let until = Instant::now() + LINGER;
-                queue.linger_until = Some(until);
-                drop(queue);
-                let shared = self.shared.clone();
-                let lingering = key.clone();
-                key.driver.spawn(async move {
-                    tokio::time::sleep_until(until.into()).await;
-                    shared.forget_if_idle(&lingering);
-                });
-                return Next::Release;
-            }
-            let idle = queue.is_idle();
-            drop(queue);
-            if idle {
-                self.shared.forget_if_idle(&key);
-            }
-            return Next::Release;
-        };
-        let now = Instant::now();
-        let bounds = self.shared.cohort;
-        // Passed as it is only to a waiter that asked for the very lease the hold has (so the
-        // watchdog renews it to what the waiter asked, and it never outlives what the waiter
-        // agreed to), while at least half of it is left; otherwise the server hand-off gives
-        // the waiter a lease of its own. A run is bounded by what its hand-offs are.
-        let pass = passable.is_some_and(|passable| {
-            offer.cohort
-                && bounds.passes > 0
-                && offer.lease == lease
-                && passable.remaining >= lease / 2
+        let terms = offer.as_ref().map(|offer| Terms {
+            lease: offer.lease,
+            cohort: offer.cohort,
         });
-        let (most, longest) = match pass {
-            true => (bounds.passes, bounds.time.min(lease / 10)),
-            false => (CHAIN, SLICE.min(lease / 10)),
-        };
-        // The run's own count and age bound it too: the queue's chain starts afresh when its
-        // last waiter leaves (the holders of a run may all be inside or releasing), while
-        // the run it counted goes on.
-        let run_over = pass
-            && passable.is_some_and(|passable| {
-                passable.passes >= most
-                    || passable
-                        .run_began
-                        .is_some_and(|began| now.duration_since(began) >= longest)
-            });
-        let (count, since) = queue.chain.get_or_insert((0, now));
-        if run_over || *count >= most || now.duration_since(*since) >= longest {
-            queue.chain = None;
-            // The offer goes back to its waiter, which hears the release like everyone else.
-            if let Some(head) = queue.entries.iter_mut().find(|entry| entry.fair.is_none()) {
-                head.offer = Some(offer);
+        let bounds = self.shared.cohort;
+        let (choice, chain) = choose(terms, queue.chain, lease, passable, bounds, Instant::now());
+        queue.chain = chain;
+        let offer = match (choice, offer) {
+            (Choice::HandOff, Some(offer)) => return Next::HandOff(offer),
+            (Choice::Pass, Some(offer)) => return Next::Pass(offer),
+            (Choice::Yield, offer) => {
+                // The offer goes back to its waiter, which hears the release like everyone
+                // else.
+                let head = queue.entries.iter_mut().find(|entry| entry.fair.is_none());
+                if let Some(head) = head {
+                    head.offer = offer;
+                }
+                return Next::Yield;
             }
-            return Next::Yield;
+            (Choice::Release | Choice::HandOff | Choice::Pass, offer) => offer,
+        };
+        debug_assert!(offer.is_none(), "a release to everyone takes no offer");
+        if passable.is_some() && queue.entries.is_empty() {
+            let until = Instant::now() + LINGER;
+            queue.linger_until = Some(until);
+            drop(queue);
+            let shared = self.shared.clone();
+            let lingering = key.clone();
+            key.driver.spawn(async move {
+                tokio::time::sleep_until(until.into()).await;
+                shared.forget_if_idle(&lingering);
+            });
+            return Next::Release;
         }
-        *count += 1;
-        match pass {
-            true => Next::Pass(offer),
-            false => Next::HandOff(offer),
+        let idle = queue.is_idle();
+        drop(queue);
+        if idle {
+            self.shared.forget_if_idle(&key);
         }
+        Next::Release
     }
 
     /// A run of hand-offs ended with a release to everyone that `heard` subscribers heard.
@@ -643,7 +570,7 @@ impl Shared {
         });
     }
 
-    /// A message arrived on `channel`: a release, by this manager if it carries its tag; or,
+    /// A message arrived on `channel`: a release, by this manager if it carries its manager id; or,
     /// `=token`, a fair lock granted to the waiter with that owner token.
     fn dispatch(&self, channel: &str, message: &[u8]) {
         let key = self.lock_keys().get(channel).cloned();
@@ -898,12 +825,13 @@ impl KeyState {
 }
 
 impl Ticket {
-    /// A fair waiter: completes when a grant to it (or a release worth asking after) was
-    /// heard since it last completed. Pending for other waiters.
-    pub(crate) async fn signalled(&self) {
+    /// Completes at the next wake-up meant for this waiter: for a fair waiter, a grant to it
+    /// (or a release worth asking after) heard since it last completed; for any other, the
+    /// first wake-up after `seen` (at once if one already came).
+    pub(crate) async fn woken(&self, seen: u64) {
         match &self.signal {
             Some(signal) => signal.notified().await,
-            None => std::future::pending().await,
+            None => self.woken_since(seen).await,
         }
     }
 
@@ -912,8 +840,12 @@ impl Ticket {
         self.key.lock_queue().head() == Some(self.id)
     }
 
-    /// Waits until this ticket is at the head of its queue.
+    /// Waits until this ticket is at the head of its queue. A fair waiter's turn is kept in
+    /// Redis: it waits for no local head.
     pub(crate) async fn until_head(&self) {
+        if self.signal.is_some() {
+            return;
+        }
         loop {
             let turn = self.turn.notified();
             if self.key.lock_queue().head() == Some(self.id) {
@@ -990,7 +922,7 @@ impl Ticket {
     }
 
     /// Completes at the first wake-up after `seen` (at once if one already came).
-    pub(crate) async fn woken_since(&self, seen: u64) {
+    async fn woken_since(&self, seen: u64) {
         loop {
             let notified = self.key.wake.notified();
             if self.wakes() != seen {
@@ -1075,216 +1007,5 @@ async fn read(shared: Weak<Shared>, mut stream: PubSubStream, generation: u64, b
         shared.closed.store(generation, Ordering::Release);
         shared.lost_connection(generation);
         shared.recover(&backend);
-    }
-}
-
-impl Handed {
-    /// The lock held as `ids`, handed over at `sent` (when its lease began), and passed
-    /// locally as `local` if it was; dropped unclaimed, `releaser` gives `ids` back.
-    pub(crate) fn new(
-        sent: Instant,
-        releaser: Releaser,
-        ids: Arc<HoldIds>,
-        local: Option<LocalPass>,
-    ) -> Self {
-        Self {
-            sent,
-            unclaimed: Some((releaser, ids)),
-            local,
-        }
-    }
-
-    /// Takes the lock over: when the hand-off was sent, which is when its lease began, and
-    /// the server hold it takes over when it was passed locally.
-    pub(crate) fn claim(mut self) -> (Instant, Option<LocalPass>) {
-        self.disarm();
-        (self.sent, self.local.take())
-    }
-
-    /// Whether the lock came by a local pass (the waiter's own token took no part).
-    pub(crate) fn is_local(&self) -> bool {
-        self.local.is_some()
-    }
-
-    /// Until when the lock's lease runs: the shared lease of a hold passed locally, else a
-    /// lease of `ttl` from when the hand-off was sent.
-    pub(crate) fn lease_until(&self, ttl: Duration) -> Instant {
-        match &self.local {
-            Some(local) => local.run.lease().valid_until(),
-            None => crate::lease::saturating_add(self.sent, ttl),
-        }
-    }
-
-    /// The hold that dropping this gives back: none once claimed or disarmed.
-    pub(crate) fn unclaimed(&self) -> Option<&Arc<HoldIds>> {
-        self.unclaimed.as_ref().map(|(_, ids)| ids)
-    }
-
-    /// Leaves the lock to whoever holds this now: dropping it then gives nothing back.
-    pub(crate) fn disarm(&mut self) {
-        self.unclaimed = None;
-    }
-}
-
-impl fmt::Debug for Handed {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Handed")
-            .field("sent", &self.sent)
-            .field("claimed", &self.unclaimed.is_none())
-            .finish()
-    }
-}
-
-impl Drop for Handed {
-    fn drop(&mut self) {
-        if let Some((releaser, ids)) = self.unclaimed.take() {
-            match self.local.take() {
-                // Passed locally: this release ends the run.
-                Some(local) => releaser.end_run_in_background(ids, None, &local.run),
-                None => releaser.in_background(ids, None),
-            }
-        }
-    }
-}
-
-/// What gives a hold back from the manager's own runtime: the server, that runtime (which
-/// outlives the caller's, and works outside any runtime), and the manager's waiters, to wake
-/// or to hand a fair lock to.
-#[derive(Debug, Clone)]
-pub(crate) struct Releaser {
-    pub(crate) backend: Backend,
-    pub(crate) driver: Arc<Driver>,
-    pub(crate) waiters: Waiters,
-}
-
-impl Releaser {
-    /// Sends a release for one hold from the manager's own runtime, without waiting for it;
-    /// the outcome is only logged. That runtime outlives the caller's, so this works while the
-    /// caller's runtime shuts down, and outside any runtime.
-    pub(crate) fn in_background(&self, ids: Arc<HoldIds>, keep_until: Option<Instant>) {
-        let task = self.clone().logged(ids, keep_until);
-        self.driver.spawn(task);
-    }
-
-    /// Sends the release of the last hold of a cohort's run from the manager's own runtime,
-    /// as [`in_background`](Self::in_background) does; its answer settles the run's checks
-    /// (see [`Run::ending_guarded`]).
-    pub(crate) fn end_run_in_background(
-        &self,
-        ids: Arc<HoldIds>,
-        keep_until: Option<Instant>,
-        run: &Arc<Run>,
-    ) {
-        // Set before the release is sent.
-        let ending = run.ending_guarded();
-        let releaser = self.clone();
-        self.driver.spawn(async move {
-            let answer = releaser.release_logged(&ids, keep_until).await;
-            ending.settle(answer);
-        });
-    }
-
-    /// Sends the release of a whole set from the manager's own runtime, as
-    /// [`in_background`](Self::in_background) does for one hold.
-    pub(crate) fn set_in_background(&self, request: SetRequest) {
-        let task = self.clone().set_logged(request);
-        self.driver.spawn(task);
-    }
-
-    /// Gives back a whole set and wakes the local waiters of each lock it freed.
-    pub(crate) async fn release_set(&self, request: &SetRequest) -> redis::RedisResult<()> {
-        let released = self.backend.release_set(request).await?;
-        for (yes, key) in released.into_iter().zip(&request.keys) {
-            if yes {
-                self.waiters.released(&key.wake);
-            }
-        }
-        Ok(())
-    }
-
-    /// Gives back a whole set; the outcome is only logged.
-    async fn set_logged(self, request: SetRequest) {
-        match self.release_set(&request).await {
-            Ok(()) => tracing::debug!(locks = request.keys.len(), "set released in the background"),
-            Err(error) => tracing::warn!(
-                %error,
-                "background release of a lock set failed; the leases will expire"
-            ),
-        }
-    }
-
-    /// Releases one hold (keeping the key until `keep_until`), wakes or hands the lock to the
-    /// local waiters, and logs the outcome.
-    pub(crate) async fn logged(self, ids: Arc<HoldIds>, keep_until: Option<Instant>) {
-        let _ = self.release_logged(&ids, keep_until).await;
-    }
-
-    /// What [`logged`](Self::logged) does, answering whether the hold was still this owner's.
-    async fn release_logged(
-        &self,
-        ids: &Arc<HoldIds>,
-        keep_until: Option<Instant>,
-    ) -> redis::RedisResult<bool> {
-        let answer = if ids.fair.is_some() {
-            let sent = Instant::now();
-            self.backend
-                .release_fair(ids)
-                .await
-                .map(|release| match release {
-                    FairRelease::Granted(next) => {
-                        self.hand_fair(ids, &next, sent);
-                        true
-                    }
-                    FairRelease::Freed => {
-                        self.waiters.released(&ids.wake);
-                        true
-                    }
-                    FairRelease::NotHeld => false,
-                })
-        } else {
-            let released = self.backend.release(ids, keep_from(keep_until)).await;
-            if let Ok(true) = released {
-                self.waiters.released(&ids.wake);
-                tracing::debug!(lock = %ids.lock, "released in the background");
-            }
-            released
-        };
-        match &answer {
-            Ok(true) => {}
-            Ok(false) => {
-                // Nobody of this manager holds it any more.
-                self.waiters.released(&ids.wake);
-                tracing::debug!(lock = %ids.lock, "background release found the lock already gone");
-            }
-            Err(error) => tracing::warn!(
-                lock = %ids.lock, %error,
-                "background release failed; the lease will expire"
-            ),
-        }
-        answer
-    }
-
-    /// A release of fair lock `ids` (sent at `sent`) granted it to the owner of token `next`:
-    /// if that is a waiter of this manager with a standing offer, it gets the lock in-process,
-    /// its lease counted from `sent` (the grant gave it its whole lease, after `sent`). Any
-    /// other waiter hears the grant's publish, and asks.
-    pub(crate) fn hand_fair(&self, ids: &HoldIds, next: &str, sent: Instant) {
-        let Grant::Offer(offer) = self.waiters.grant(&ids.wake, next) else {
-            return;
-        };
-        let fair = ids
-            .fair
-            .as_ref()
-            .map(|queue| queue.for_owner(self.waiters.manager_id(), offer.lease, &offer.token));
-        let next = Arc::new(HoldIds {
-            token: offer.token,
-            fair,
-            ..ids.clone()
-        });
-        self.waiters.handed_off();
-        // A waiter that gave up meanwhile drops it, which gives the lock back.
-        let _ = offer
-            .handed
-            .send(Handed::new(sent, self.clone(), next, None));
     }
 }
