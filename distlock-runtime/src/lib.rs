@@ -54,9 +54,9 @@
 //! * **target**, **plan** — what a request is for (one lock, or a set taken together), and
 //!   the request with every option resolved against the manager's defaults.
 //! * **engine**, **attempt**, **cover** — what carries out every plan, for one lock or a set:
-//!   a waiting loop, and a fair loop that follows the server's queue instead; an attempt is
-//!   one round trip asking for the lock; the cover gives back what an attempt whose answer
-//!   never came may hold.
+//!   one loop for plain, set and fair requests, carrying out one pure decision
+//!   (`decide::step`); an attempt is one round trip asking for the lock; the cover gives back
+//!   what an attempt whose answer never came may hold.
 //! * **pass**, **cohort**, **run** — a pass is a hand-off within one manager that asks
 //!   nothing of the server: the next task takes the server hold over as it is. A cohort's
 //!   run is the passes of one server hold, checked against the server and kept within the

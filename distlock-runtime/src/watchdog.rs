@@ -400,24 +400,7 @@ fn collect_due(leases: &mut Leases, counters: &Counters) -> Vec<Due> {
             continue;
         }
         limit = limit.max(saturating_add(now, lease.ttl / 6));
-        // Alive: it ran the last probe sent to it, or has not had half a lease to run it yet
-        // (how late this look is does not count against the holder). A new probe goes out
-        // once the last one ran: one left unrun keeps its age.
-        let waiting = lease.alive.load(Ordering::Acquire) < lease.probed;
-        let holder_alive =
-            !waiting || since_epoch(now).saturating_sub(lease.probed) <= nanos(lease.ttl / 2);
-        if !waiting {
-            lease.probed = since_epoch(now);
-            match &lease.holder {
-                Some(holder) => {
-                    let alive = lease.alive.clone();
-                    let probe =
-                        async move { alive.store(since_epoch(Instant::now()), Ordering::Release) };
-                    drop(holder.spawn(probe));
-                }
-                None => lease.alive.store(lease.probed, Ordering::Release),
-            }
-        }
+        let holder_alive = lease.probe(now);
         lease.next_renewal = saturating_add(now, lease.ttl / 3);
         if holder_alive {
             let left = lease.state.valid_until().saturating_duration_since(now);
@@ -437,13 +420,42 @@ fn collect_due(leases: &mut Leases, counters: &Counters) -> Vec<Due> {
         }
         leases.reschedule(id);
     }
+    warn_if_behind(leases, now, due.len() == PER_LOOK);
+    due
+}
+
+impl Lease {
+    /// Whether the holder's runtime is alive at `now`: it ran the last probe sent to it, or
+    /// has not had half a lease to run it yet (how late this look is does not count against
+    /// the holder). A new probe goes out once the last one ran: one left unrun keeps its age.
+    fn probe(&mut self, now: Instant) -> bool {
+        let waiting = self.alive.load(Ordering::Acquire) < self.probed;
+        let alive = !waiting || since_epoch(now).saturating_sub(self.probed) <= nanos(self.ttl / 2);
+        if !waiting {
+            self.probed = since_epoch(now);
+            match &self.holder {
+                Some(holder) => {
+                    let ran = self.alive.clone();
+                    let probe =
+                        async move { ran.store(since_epoch(Instant::now()), Ordering::Release) };
+                    drop(holder.spawn(probe));
+                }
+                None => self.alive.store(self.probed, Ordering::Release),
+            }
+        }
+        alive
+    }
+}
+
+/// Logs the warning [`Behind`] has for `now`, if any (`more_due`: this look left leases due).
+fn warn_if_behind(leases: &mut Leases, now: Instant, more_due: bool) {
     if let Some(warning) = leases.behind.warning(now) {
         tracing::warn!(
             late = warning.late,
             ran_out = warning.ran_out,
             lock = %warning.lock,
             watched = leases.by_id.len(),
-            more_due = due.len() == PER_LOOK,
+            more_due,
             least_left = ?warning.least_left,
             ttl = ?warning.ttl,
             "lease renewals are falling behind: {} renewals went out with less than half of \
@@ -456,7 +468,6 @@ fn collect_due(leases: &mut Leases, counters: &Counters) -> Vec<Due> {
             warning.ran_out,
         );
     }
-    due
 }
 
 /// Whether a renewal that finds `left` of a `ttl` lease is late. Renewals are planned when a
