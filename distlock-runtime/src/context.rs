@@ -54,6 +54,11 @@ pub(crate) struct Held {
     pub(crate) passes: u32,
     /// The cohort's run this hold came by, when it came by a local pass (see `cohort`).
     pub(crate) run: std::sync::OnceLock<Arc<crate::cohort::Run>>,
+    /// For a lock of a set: every lock of the set (this one included), which share this
+    /// hold's lease. What moves that lease on (a nested hold's renewal or extend) must reach
+    /// every one of them still held, or the set's `remaining()` would promise more than a lock
+    /// left behind has.
+    pub(crate) set: std::sync::OnceLock<Arc<[Weak<Held>]>>,
 }
 
 impl Held {
@@ -67,6 +72,20 @@ impl Held {
     pub(crate) fn keep(&self, until: Option<Instant>) {
         let mut keep = self.keep_until.lock().unwrap_or_else(|e| e.into_inner());
         *keep = (*keep).max(until);
+    }
+
+    /// The holds that share this hold's lease and are still held: the live locks of its set,
+    /// or this hold alone.
+    pub(crate) fn lease_sharers(&self) -> Vec<Arc<HoldIds>> {
+        match self.set.get() {
+            Some(set) => set
+                .iter()
+                .filter_map(Weak::upgrade)
+                .filter(|held| held.guards.load(Ordering::Acquire) > 0)
+                .map(|held| held.ids.clone())
+                .collect(),
+            None => vec![self.ids.clone()],
+        }
     }
 
     /// One guard fewer: `true` for the last one, which gives the hold back on the server.

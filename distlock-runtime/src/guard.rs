@@ -247,16 +247,22 @@ impl LockGuard {
         if self.given_back_by_shutdown() {
             return Err(LockError::ShutDown);
         }
-        let hold = self.ids();
+        // A nested hold of a set's lock shares the set's lease: every lock of the set still
+        // held is extended, or the lease would promise more than the others have.
+        let holds = self.parts.held.lease_sharers();
         let sent = Instant::now();
         let extended = self
             .parts
             .manager
             .inner
             .exec(move |backend| async move {
-                backend
-                    .extend(&hold.lock, hold.share.as_deref(), &hold.token, ttl)
-                    .await
+                let mut all = true;
+                for hold in &holds {
+                    all &= backend
+                        .extend(&hold.lock, hold.share.as_deref(), &hold.token, ttl)
+                        .await?;
+                }
+                Ok::<bool, redis::RedisError>(all)
             })
             .await?
             .map_err(|e| LockError::redis(self.key(), e))?;

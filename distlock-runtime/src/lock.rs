@@ -347,13 +347,15 @@ pub(crate) fn nested(manager: &LockManager, plan: Plan<Keys>, held: Arc<Held>) -
     let sent = Instant::now();
     held.enter(keep_until(sent, plan.options.min_hold));
     let lease = held.lease.clone();
-    let renewal = register_renewal(
-        &manager.inner,
-        &plan,
-        Holds::One(held.ids.clone()),
-        &lease,
-        sent,
-    );
+    // Inside a set's lock, the lease is the set's: renewed for all of its locks or none.
+    let holds = match held.set.get() {
+        Some(_) => Holds::InSet {
+            ids: held.ids.clone(),
+            held: Arc::downgrade(&held),
+        },
+        None => Holds::One(held.ids.clone()),
+    };
+    let renewal = register_renewal(&manager.inner, &plan, holds, &lease, sent);
     tracing::debug!("acquired a nested hold");
     let acquired = Acquired {
         attempts: 1,
@@ -408,6 +410,7 @@ impl Held {
             cohort: !plan.options.no_cohort,
             passes,
             run: std::sync::OnceLock::new(),
+            set: std::sync::OnceLock::new(),
         });
         if !plan.options.unrecorded {
             context::record(&held);

@@ -179,6 +179,10 @@ fn grant_set(
             start,
         ));
     }
+    let sharers: Arc<[std::sync::Weak<Held>]> = held.iter().map(Arc::downgrade).collect();
+    for one in &held {
+        let _ = one.set.set(sharers.clone());
+    }
     // One renewal for the whole set: its lease goes on only if every lock was renewed.
     let renewals: Vec<Registration> =
         lock::register_renewal(inner, plan, Holds::Set(holds.into()), &lease, acquired.sent)

@@ -19,6 +19,7 @@
 //! less than half of its lease left is counted and warned of (see [`is_late`]), and so is a
 //! lease that ran out before its renewal could go out.
 
+use std::borrow::Cow;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,6 +30,7 @@ use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
 use crate::backend::{Backend, HoldIds, Renewal};
+use crate::context::Held;
 use crate::driver::Driver;
 use crate::lease::{LeaseState, saturating_add};
 
@@ -137,19 +139,38 @@ pub(crate) enum Holds {
     One(Arc<HoldIds>),
     /// The holds of a set's locks.
     Set(Arc<[Arc<HoldIds>]>),
+    /// A hold nested in a set's lock, `held`: it shares the set's lease, so it renews every
+    /// lock of the set still held (all of them while the set is, its own once the set gave
+    /// the others back).
+    InSet {
+        /// Its own lock's hold, renewed alone once the hold is gone.
+        ids: Arc<HoldIds>,
+        /// Weak: a registration keeps no hold alive for the context to find.
+        held: std::sync::Weak<Held>,
+    },
 }
 
 impl Holds {
-    fn all(&self) -> &[Arc<HoldIds>] {
+    /// The holds to renew now.
+    fn all(&self) -> Cow<'_, [Arc<HoldIds>]> {
         match self {
-            Self::One(hold) => std::slice::from_ref(hold),
-            Self::Set(holds) => holds,
+            Self::One(hold) => Cow::Borrowed(std::slice::from_ref(hold)),
+            Self::Set(holds) => Cow::Borrowed(holds),
+            Self::InSet { ids, held } => {
+                let sharers = held.upgrade().map(|held| held.lease_sharers());
+                match sharers {
+                    Some(sharers) if !sharers.is_empty() => Cow::Owned(sharers),
+                    _ => Cow::Borrowed(std::slice::from_ref(ids)),
+                }
+            }
         }
     }
 
     /// The first lock, which names the lease in logs.
-    fn lock(&self) -> &str {
-        self.all().first().map_or("", |hold| hold.lock.as_str())
+    fn lock(&self) -> String {
+        self.all()
+            .first()
+            .map_or_else(String::new, |hold| hold.lock.clone())
     }
 }
 
@@ -405,7 +426,7 @@ fn collect_due(leases: &mut Leases, counters: &Counters) -> Vec<Due> {
         if holder_alive {
             let left = lease.state.valid_until().saturating_duration_since(now);
             if is_late(left, lease.ttl) {
-                leases.behind.late(left, lease.ttl, lease.hold.lock());
+                leases.behind.late(left, lease.ttl, &lease.hold.lock());
                 crate::metrics::renewal_late(lease.metrics);
             }
             due.push(Due {
@@ -521,7 +542,7 @@ impl Behind {
     /// A lease of `hold` ran out before its renewal went out: as late as a renewal can be.
     fn ran_out(&mut self, hold: &Holds, ttl: Duration) {
         self.ran_out += 1;
-        self.note(Duration::ZERO, ttl, hold.lock());
+        self.note(Duration::ZERO, ttl, &hold.lock());
     }
 
     /// The warning to give at `now`, if renewals went out late (or leases ran out) since the
@@ -569,10 +590,13 @@ async fn renew(shared: &Renewals, backend: &Backend, due: Vec<Due>) {
 async fn renew_batch(shared: &Renewals, backend: &Backend, batch: &[Due]) {
     {
         let sent = Instant::now();
+        // What each lease renews, taken once: a nested hold's set may change meanwhile.
+        let holds: Vec<Cow<'_, [Arc<HoldIds>]>> = batch.iter().map(|d| d.hold.all()).collect();
         let items: Vec<Renewal<'_>> = batch
             .iter()
-            .flat_map(|d| {
-                d.hold.all().iter().map(|hold| Renewal {
+            .zip(&holds)
+            .flat_map(|(d, holds)| {
+                holds.iter().map(|hold| Renewal {
                     lock: &hold.lock,
                     share: hold.share.as_deref(),
                     token: &hold.token,
@@ -585,9 +609,9 @@ async fn renew_batch(shared: &Renewals, backend: &Backend, batch: &[Due]) {
             Ok(results) => {
                 let mut leases = shared.lock();
                 let mut results = results.into_iter();
-                for lease in batch {
+                for (lease, holds) in batch.iter().zip(&holds) {
                     // A set's lease is renewed only if every one of its locks was.
-                    let count = lease.hold.all().len();
+                    let count = holds.len();
                     // (Every answer of this lease is taken: the next lease's follow.)
                     let (mut renewed, mut answered) = (true, 0);
                     for one in results.by_ref().take(count) {

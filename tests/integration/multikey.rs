@@ -710,3 +710,53 @@ async fn shutdown_gives_back_every_set() {
     ));
     held.release().await.unwrap();
 }
+
+/// A single hold nested in a set's lock shares the set's lease: what renews or extends it
+/// reaches every lock of the set, so the set never promises more than a lock has on the
+/// server; once the set is given back, the nested hold renews its own lock alone.
+#[tokio::test]
+async fn a_hold_nested_in_a_set_renews_and_extends_the_whole_set() {
+    let server = shared_server();
+    let prefix = unique_prefix("set-nested");
+    use redis::AsyncCommands;
+    let locks = manager(&server, &prefix).await;
+    let other = manager(&server, &prefix).await;
+    let mut redis = raw(&server).await;
+    let ttl = Duration::from_millis(900);
+    distlock::scope(async {
+        let set = (locks.lock_all(["a", "b"]).ttl(ttl).reentrant(true))
+            .acquire()
+            .await
+            .unwrap();
+        let nested = locks
+            .lock("a")
+            .ttl(ttl)
+            .reentrant(true)
+            .watchdog(true)
+            .acquire()
+            .await
+            .unwrap();
+        // Three leases long: only the nested hold's renewals keep the set.
+        tokio::time::sleep(ttl * 3).await;
+        for key in ["a", "b"] {
+            let pttl: i64 = redis.pttl(locks.redis_key(key)).await.unwrap();
+            assert!(
+                set.remaining().as_millis() as i64 <= pttl,
+                "{key}: the set promises {:?}, the server has {pttl} ms",
+                set.remaining()
+            );
+        }
+        // An extend of the nested hold reaches the set's other lock too.
+        nested.extend(Duration::from_secs(20)).await.unwrap();
+        let pttl: i64 = redis.pttl(locks.redis_key("b")).await.unwrap();
+        assert!(pttl > 10_000, "b was not extended: {pttl} ms");
+        // The set given back, the nested hold goes on with its own lock.
+        set.release().await.unwrap();
+        take_soon(&other, "b", "b was given back with the set").await;
+        tokio::time::sleep(ttl * 2).await;
+        assert!(!nested.is_lost() && nested.is_held().await.unwrap());
+        nested.release().await.unwrap();
+    })
+    .await;
+    assert!(keys(&server, &prefix).is_empty());
+}
