@@ -214,7 +214,7 @@ impl<'a, A: Ask> Engine<'a, A> {
         queue_first: bool,
     ) -> Result<Outcome<A::Fences>, LockError> {
         if first.is_none() && queue_first && self.bounds.retries > 0 && self.has_waiters() {
-            self.join(0);
+            self.join(0, false);
         }
         let mut heard = first;
         if let Some(first) = &heard {
@@ -248,7 +248,7 @@ impl<'a, A: Ask> Engine<'a, A> {
                 Step::Refuse => return Err(self.refused(heard)),
                 Step::GiveUp => return Err(self.give_up().await),
                 Step::Queue { at } => {
-                    self.join(at);
+                    self.join(at, true);
                     heard = None;
                 }
                 Step::Sleep { until } => {
@@ -345,10 +345,10 @@ impl<'a, A: Ask> Engine<'a, A> {
         }
     }
 
-    /// Joins the queue of lock `at` (leaving any other) after an answer, and hears this
-    /// request's last word there: the local queue, or for a fair lock the signal of its
-    /// place in the server's queue.
-    fn join(&mut self, at: usize) {
+    /// Joins the queue of lock `at` (leaving any other): the local queue, or for a fair lock
+    /// the signal of its place in the server's queue; after an answer (`answered`), this
+    /// request's last word is heard there.
+    fn join(&mut self, at: usize, answered: bool) {
         let inner = self.inner;
         let (wake, backend, driver) = (self.ask.wake(at), &inner.backend, &inner.driver);
         let joined = match self.mode {
@@ -362,7 +362,12 @@ impl<'a, A: Ask> Engine<'a, A> {
             }
             Mode::Plain | Mode::Set => inner.waiters.join(wake, backend, driver, self.metrics),
         };
-        joined.heard(self.failure.clone());
+        // What this request last heard becomes the queue's last word; one that joins before
+        // its first attempt has heard nothing, and leaves the queue's word (a failure to reach
+        // Redis, say) as it is for the waiters ahead of it.
+        if answered {
+            joined.heard(self.failure.clone());
+        }
         // A writer queued behind waiters of its own manager does not compete before its
         // turn: its intent would only keep those ahead of it (readers) out of a free lock,
         // with nobody to take it. It leaves one again once refused as the head.
