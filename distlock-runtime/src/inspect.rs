@@ -16,6 +16,7 @@ use redis::Value;
 
 use crate::backend::Node;
 use crate::key::{Keys, lock_key};
+use crate::scripts;
 use crate::{LockError, LockManager};
 
 /// What a lock key holds right now.
@@ -128,29 +129,34 @@ impl LockManager {
 
     /// Removes the lock `name` whatever holds it — every holder loses it — and wakes its
     /// waiters; the fencing counter stays, so tokens keep increasing. Returns what was
-    /// removed, or `None` when the lock was free. For stuck locks only: a holder that is still
-    /// running is not stopped, and learns of the loss at its next renewal or release.
+    /// removed, or `None` when the lock was free. The removal is one atomic step on the
+    /// server: what it returns is exactly what it removed, even while holders come and go.
+    /// For stuck locks only: a holder that is still running is not stopped, and learns of
+    /// the loss at its next renewal or release.
     pub async fn force_release(&self, name: &str) -> Result<Option<LockInfo>, LockError> {
         let keys = Keys::new(&self.inner.prefix, name.to_owned())?;
-        let Some(info) = read(self, &keys).await? else {
-            return Ok(None);
-        };
-        let mut del = redis::cmd("DEL");
-        del.arg(&keys.lock)
-            .arg(keys.min_hold_timer())
-            .arg(keys.write_intent());
-        for holder in &info.holders {
-            del.arg(keys.share(&holder.token));
+        let (fence, min_hold_timer) = (keys.fence(), keys.min_hold_timer());
+        let (write_intent, wake) = (keys.write_intent(), keys.wake());
+        let call = scripts::ForceRelease {
+            lock: &keys.lock,
+            fence: &fence,
+            min_hold_timer: &min_hold_timer,
+            write_intent: &write_intent,
+            wake: &wake,
         }
-        let node = self.inner.backend.inspected();
+        .call();
         let failed = |e| LockError::redis(name, e);
-        let _: i64 = node.query(&del).await.map_err(failed)?;
-        let wake = redis::cmd("PUBLISH").arg(keys.wake()).arg("").to_owned();
-        let _: i64 = node.query(&wake).await.map_err(failed)?;
+        let node = self.inner.backend.inspected();
+        let reply: Value = node.invoke(&call).await.map_err(failed)?;
+        let removed = Snapshot::from_reply(reply).map_err(failed)?;
         for other in self.inner.backend.others() {
             // The other RedLock masters: best effort, the quorum is gone with the first.
-            let _: Result<i64, _> = other.query(&del).await;
+            let _: Result<Value, _> = other.invoke(&call).await;
         }
+        let Some(mut info) = removed.describe(&keys) else {
+            return Ok(None);
+        };
+        name_holders(self, &mut info.holders).await;
         Ok(Some(info))
     }
 }
@@ -158,125 +164,195 @@ impl LockManager {
 /// Reads one lock; `None` when its key does not exist.
 async fn read(locks: &LockManager, keys: &Keys) -> Result<Option<LockInfo>, LockError> {
     let node = locks.inner.backend.inspected();
-    let failed = |e| LockError::redis(&keys.name, e);
-    let form: String = node
-        .query(redis::cmd("TYPE").arg(&keys.lock))
+    let snapshot = Snapshot::read(node, keys)
         .await
-        .map_err(failed)?;
-    let pttl: i64 = node
-        .query(redis::cmd("PTTL").arg(&keys.lock))
-        .await
-        .map_err(failed)?;
-    let counter: Option<u64> = node
-        .query(redis::cmd("GET").arg(keys.fence()))
-        .await
-        .map_err(failed)?;
-    let mut info = LockInfo {
-        name: keys.name.clone(),
-        key: keys.lock.clone(),
-        kind: LockKind::Foreign,
-        holders: Vec::new(),
-        ttl: ttl_of(pttl),
-        fencing_counter: counter,
-        permits: None,
+        .map_err(|e| LockError::redis(&keys.name, e))?;
+    let Some(mut info) = snapshot.describe(keys) else {
+        return Ok(None);
     };
-    match form.as_str() {
-        "none" => return Ok(None),
-        "string" => read_string(node, keys, &mut info).await?,
-        "hash" => read_hash(node, keys, &mut info).await?,
-        _ => {}
-    }
     name_holders(locks, &mut info.holders).await;
     Ok(Some(info))
+}
+
+/// A lock key as the server had it: read command by command for the inspector, or returned
+/// by `force_release.lua` in the step that removed it.
+#[derive(Debug, Default)]
+struct Snapshot {
+    /// The key's type (`none`: no key).
+    form: String,
+    /// The key's `PTTL`.
+    pttl: i64,
+    /// The fencing counter, if one was ever drawn.
+    counter: Option<u64>,
+    /// The string's value, or the hash's fields and values in turn.
+    fields: Vec<String>,
+    /// Every live share: its token, its lease's `PTTL`, and its fencing token.
+    shares: Vec<(String, i64, Option<u64>)>,
+}
+
+impl Snapshot {
+    /// Reads `keys`' lock from `node`, one command at a time (each consistent on its own).
+    async fn read(node: &Node, keys: &Keys) -> redis::RedisResult<Self> {
+        let mut snapshot = Snapshot {
+            form: node.query(redis::cmd("TYPE").arg(&keys.lock)).await?,
+            pttl: node.query(redis::cmd("PTTL").arg(&keys.lock)).await?,
+            counter: node.query(redis::cmd("GET").arg(keys.fence())).await?,
+            ..Snapshot::default()
+        };
+        match snapshot.form.as_str() {
+            "string" => {
+                let value: Option<String> = node.query(redis::cmd("GET").arg(&keys.lock)).await?;
+                snapshot.fields.extend(value);
+            }
+            "hash" => {
+                snapshot.fields = node.query(redis::cmd("HGETALL").arg(&keys.lock)).await?;
+                let shared = snapshot
+                    .pairs()
+                    .any(|(field, value)| field == "mode" && matches!(value, "read" | "permits"));
+                let tokens: Vec<String> = if shared {
+                    snapshot.holder_fields().map(str::to_owned).collect()
+                } else {
+                    Vec::new()
+                };
+                for token in tokens {
+                    let share = keys.share(&token);
+                    let left: i64 = node.query(redis::cmd("PTTL").arg(&share)).await?;
+                    if left != -2 {
+                        let fence: Option<u64> = node.query(redis::cmd("GET").arg(&share)).await?;
+                        snapshot.shares.push((token, left, fence));
+                    }
+                }
+            }
+            _ => {}
+        }
+        Ok(snapshot)
+    }
+
+    /// The script's reply: `{form, pttl, counter, fields, shares}`, the shares flattened.
+    fn from_reply(reply: Value) -> redis::RedisResult<Self> {
+        let (form, pttl, counter, fields, flat): (
+            String,
+            i64,
+            Option<u64>,
+            Vec<String>,
+            Vec<Value>,
+        ) = redis::from_redis_value(reply)?;
+        let mut shares = Vec::with_capacity(flat.len() / 3);
+        for share in flat.chunks(3) {
+            let [token, left, fence] = share else {
+                return Err(redis::RedisError::from((
+                    redis::ErrorKind::UnexpectedReturnType,
+                    "a share without its lease or fencing token",
+                )));
+            };
+            shares.push((
+                redis::from_redis_value(token.clone())?,
+                redis::from_redis_value(left.clone())?,
+                redis::from_redis_value(fence.clone())?,
+            ));
+        }
+        Ok(Snapshot {
+            form,
+            pttl,
+            counter,
+            fields,
+            shares,
+        })
+    }
+
+    /// A hash's fields with their values.
+    fn pairs(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.fields
+            .chunks_exact(2)
+            .map(|pair| (pair[0].as_str(), pair[1].as_str()))
+    }
+
+    /// A hash's fields that name holders.
+    fn holder_fields(&self) -> impl Iterator<Item = &str> {
+        self.pairs()
+            .map(|(field, _)| field)
+            .filter(|field| names_holder(field))
+    }
+
+    /// What the snapshot says of the lock; `None` when there was no key.
+    fn describe(&self, keys: &Keys) -> Option<LockInfo> {
+        let mut info = LockInfo {
+            name: keys.name.clone(),
+            key: keys.lock.clone(),
+            kind: LockKind::Foreign,
+            holders: Vec::new(),
+            ttl: ttl_of(self.pttl),
+            fencing_counter: self.counter,
+            permits: None,
+        };
+        match self.form.as_str() {
+            "none" => return None,
+            "string" => {
+                info.kind = LockKind::Exclusive;
+                info.holders.extend(self.fields.first().map(|token| Holder {
+                    token: token.clone(),
+                    holds: 1,
+                    ttl: info.ttl,
+                    fence: None,
+                    identity: None,
+                }));
+            }
+            "hash" => self.describe_hash(&mut info),
+            _ => {}
+        }
+        Some(info)
+    }
+
+    /// Every other kind than the plain lock: a hash of its mode, its permits, its fencing
+    /// token and its holders' tokens (each with its count of holds); readers and permit
+    /// holders each with a share of their own.
+    fn describe_hash(&self, info: &mut LockInfo) {
+        let field = |name: &str| {
+            self.pairs()
+                .find(|(f, _)| *f == name)
+                .map(|(_, value)| value)
+        };
+        info.kind = match field("mode") {
+            None => LockKind::Exclusive,
+            Some("write") => LockKind::Write,
+            Some("read") => LockKind::Read,
+            Some("permits") => LockKind::Semaphore,
+            Some("min_hold") => LockKind::MinHold,
+            Some(_) => LockKind::Foreign,
+        };
+        info.permits = field("permits").and_then(|n| n.parse().ok());
+        let shared = matches!(info.kind, LockKind::Read | LockKind::Semaphore);
+        let fence = field("fence").and_then(|f| f.parse().ok());
+        for (token, holds) in self.pairs().filter(|(field, _)| names_holder(field)) {
+            let mut holder = Holder {
+                token: token.to_owned(),
+                holds: holds.parse().unwrap_or(1),
+                ttl: info.ttl,
+                fence,
+                identity: None,
+            };
+            if shared {
+                // A share whose lease ended: that reader is gone.
+                let Some((_, left, share_fence)) = self.shares.iter().find(|s| s.0 == token) else {
+                    continue;
+                };
+                holder.ttl = ttl_of(*left);
+                holder.fence = share_fence.filter(|f| *f > 0);
+            }
+            info.holders.push(holder);
+        }
+    }
+}
+
+/// Whether a lock hash's field names a holder: every field but the lock's own and the
+/// first-hold markers (`h:<token>`).
+fn names_holder(field: &str) -> bool {
+    !matches!(field, "mode" | "permits" | "fence" | "min_hold") && !field.starts_with("h:")
 }
 
 /// A key's or a share's `PTTL` as a duration (`None`: no expiry, or no key).
 fn ttl_of(millis: i64) -> Option<Duration> {
     u64::try_from(millis).ok().map(Duration::from_millis)
-}
-
-/// A plain exclusive lock: its value is the holder's token.
-async fn read_string(node: &Node, keys: &Keys, info: &mut LockInfo) -> Result<(), LockError> {
-    let token: Option<String> = node
-        .query(redis::cmd("GET").arg(&keys.lock))
-        .await
-        .map_err(|e| LockError::redis(&keys.name, e))?;
-    info.kind = LockKind::Exclusive;
-    info.holders.extend(token.map(|token| Holder {
-        token,
-        holds: 1,
-        ttl: info.ttl,
-        fence: None,
-        identity: None,
-    }));
-    Ok(())
-}
-
-/// Every other kind: a hash of its mode, its permits, its fencing token and its holders'
-/// tokens (each with its count of holds).
-async fn read_hash(node: &Node, keys: &Keys, info: &mut LockInfo) -> Result<(), LockError> {
-    let fields: Vec<(String, Value)> = node
-        .query(redis::cmd("HGETALL").arg(&keys.lock))
-        .await
-        .map_err(|e| LockError::redis(&keys.name, e))?;
-    let text = |v: &Value| redis::from_redis_value::<String>(v.clone()).ok();
-    let field = |name: &str| {
-        fields
-            .iter()
-            .find(|(f, _)| f == name)
-            .and_then(|(_, v)| text(v))
-    };
-    info.kind = match field("mode").as_deref() {
-        None => LockKind::Exclusive,
-        Some("write") => LockKind::Write,
-        Some("read") => LockKind::Read,
-        Some("permits") => LockKind::Semaphore,
-        Some("min_hold") => LockKind::MinHold,
-        Some(_) => LockKind::Foreign,
-    };
-    info.permits = field("permits").and_then(|n| n.parse().ok());
-    let shared = matches!(info.kind, LockKind::Read | LockKind::Semaphore);
-    for (name, value) in &fields {
-        if matches!(name.as_str(), "mode" | "permits" | "fence" | "min_hold")
-            || name.starts_with("h:")
-        {
-            continue;
-        }
-        let holds = text(value).and_then(|n| n.parse().ok()).unwrap_or(1);
-        let mut holder = Holder {
-            token: name.clone(),
-            holds,
-            ttl: info.ttl,
-            fence: field("fence").and_then(|f| f.parse().ok()),
-            identity: None,
-        };
-        if shared && !read_share(node, keys, &mut holder).await? {
-            continue; // ended: that reader is gone
-        }
-        info.holders.push(holder);
-    }
-    Ok(())
-}
-
-/// A share's lease is its own key, whose value is its fencing token: reads both into
-/// `holder`. `false` when the share has ended.
-async fn read_share(node: &Node, keys: &Keys, holder: &mut Holder) -> Result<bool, LockError> {
-    let failed = |e| LockError::redis(&keys.name, e);
-    let share = keys.share(&holder.token);
-    let left: i64 = node
-        .query(redis::cmd("PTTL").arg(&share))
-        .await
-        .map_err(failed)?;
-    if left == -2 {
-        return Ok(false);
-    }
-    holder.ttl = ttl_of(left);
-    let fence: Option<u64> = node
-        .query(redis::cmd("GET").arg(&share))
-        .await
-        .map_err(failed)?;
-    holder.fence = fence.filter(|f| *f > 0);
-    Ok(true)
 }
 
 /// Names each holder from the registration of the manager its token names. Best effort: a

@@ -107,6 +107,11 @@ pub(crate) static MULTI_RELEASE: LazyLock<Script> = LazyLock::new(|| {
     ))
 });
 
+/// Remove a lock whatever holds it, reporting what it removed (the inspector's forced
+/// release; not loaded up front: it loads itself on first use).
+pub(crate) static FORCE_RELEASE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("scripts/force_release.lua")));
+
 /// Every script, for loading them all when a manager connects.
 pub(crate) fn all() -> [&'static Script; 13] {
     [
@@ -323,6 +328,26 @@ impl WithdrawIntent<'_> {
     pub(crate) fn call(&self) -> ScriptInvocation<'static> {
         let mut call = WITHDRAW_INTENT.key(self.intent);
         call.key(self.wake).arg(self.token);
+        call
+    }
+}
+
+/// A call of `force_release.lua`: the lock and every companion a holder leaves.
+pub(crate) struct ForceRelease<'a> {
+    pub(crate) lock: &'a str,
+    pub(crate) fence: &'a str,
+    pub(crate) min_hold_timer: &'a str,
+    pub(crate) write_intent: &'a str,
+    pub(crate) wake: &'a str,
+}
+
+impl ForceRelease<'_> {
+    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
+        let mut call = FORCE_RELEASE.key(self.lock);
+        call.key(self.fence)
+            .key(self.min_hold_timer)
+            .key(self.write_intent)
+            .key(self.wake);
         call
     }
 }

@@ -578,3 +578,81 @@ async fn asking_for_a_permit_while_holding_every_permit_is_a_self_deadlock() {
     })
     .await;
 }
+
+/// A forced release removes exactly the holders it reports, while holders of every kind
+/// come and go around it: each reported holder's release answers `Lost`, and no other
+/// holder's does (a read followed by a separate delete would report one holder and remove
+/// the next).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_release_removes_exactly_the_holders_it_reports() {
+    let server = shared_server();
+    for (label, kind, fencing) in [
+        ("plain", Exclusive, false),
+        ("fenced", Exclusive, true),
+        ("write", Write, false),
+        ("read", Read, false),
+        ("permit", Permit(2), false),
+    ] {
+        let prefix = unique_prefix(&format!("forced-{label}"));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut churn = Vec::new();
+        // One task per manager: every change of holder goes through the server.
+        for _ in 0..3 {
+            let locks = manager(&server, &prefix).await;
+            let stop = stop.clone();
+            churn.push(tokio::spawn(async move {
+                let mut released = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    let guard = request(&locks, kind, "k")
+                        .fencing(fencing)
+                        .wait(Duration::from_secs(10))
+                        .acquire()
+                        .await
+                        .unwrap_or_else(|e| panic!("{label}: {e}"));
+                    tokio::task::yield_now().await;
+                    let token = guard.token().to_owned();
+                    let answer = guard.release().await;
+                    assert!(
+                        matches!(answer, Ok(()) | Err(LockError::Lost { .. })),
+                        "{label}: {answer:?}"
+                    );
+                    released.push((token, answer.is_err()));
+                }
+                released
+            }));
+        }
+        let forcing = manager(&server, &prefix).await;
+        let mut reported = std::collections::BTreeSet::new();
+        for _ in 0..60 {
+            if let Some(info) = forcing.force_release("k").await.unwrap() {
+                reported.extend(info.holders.into_iter().map(|holder| holder.token));
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut lost = std::collections::BTreeSet::new();
+        let mut holds = 0;
+        for task in churn {
+            for (token, was_lost) in task.await.unwrap() {
+                holds += 1;
+                if was_lost {
+                    lost.insert(token);
+                }
+            }
+        }
+        assert!(!reported.is_empty(), "{label}: never found a holder");
+        let unreported: Vec<_> = lost.difference(&reported).collect();
+        let kept: Vec<_> = reported.difference(&lost).collect();
+        assert!(
+            unreported.is_empty() && kept.is_empty(),
+            "{label}, of {holds} holds: lost but not reported {unreported:?}; reported but \
+             released {kept:?}"
+        );
+        // Nothing is left but the fencing counter, which a forced release keeps.
+        let left = keys(&server, &prefix);
+        assert!(
+            left.iter().all(|key| key.ends_with(":fence")),
+            "{label}: {left:?}"
+        );
+    }
+}

@@ -197,6 +197,15 @@ impl Node {
         self.watch(self.bounded(cmd.query_async(&mut conn)).await)
     }
 
+    /// Runs one script call (for the inspector), routed by its first key on Cluster.
+    pub(crate) async fn invoke<T: redis::FromRedisValue>(
+        &self,
+        call: &redis::ScriptInvocation<'_>,
+    ) -> RedisResult<T> {
+        let mut conn = self.conn().await?;
+        self.watch(self.bounded(call.invoke_async(&mut conn)).await)
+    }
+
     /// Every key matching `pattern`, by SCAN on the server (on Cluster: on every master).
     pub(crate) async fn scan(&self, pattern: &str) -> RedisResult<Vec<String>> {
         let mut found = self.scan_masters(&self.conn().await?, pattern).await?;
