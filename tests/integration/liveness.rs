@@ -402,3 +402,65 @@ async fn a_reader_and_a_writer_of_one_process_queued_in_that_order_both_get_in()
     let write = gets_in(writer, "the writer after the reader").await;
     write.release().await.unwrap();
 }
+
+/// A run of hand-offs that yields to other processes, where those that hear the release do
+/// not take the lock (here, listeners on its wake channel, as `distlock watch` is; in
+/// general, processes whose own waiters are sitting out turns of their own): the local
+/// waiters let the free lock go untaken for one turn at most, not for a turn per listener.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_yield_that_nobody_takes_up_leaves_the_lock_free_for_one_turn_at_most() {
+    let server = shared_server();
+    let prefix = unique_prefix("yield-untaken");
+    let locks = manager(&server, &prefix).await;
+    let channel = format!("{}:wake", locks.redis_key("k"));
+    // Two hundred listeners: a turn each would keep the lock free for 20 s.
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut listeners = Vec::new();
+    for _ in 0..200 {
+        let mut listener = client.get_async_pubsub().await.unwrap();
+        listener.subscribe(&channel).await.unwrap();
+        listeners.push(listener);
+    }
+    let request = |locks: &LockManager| {
+        let locks = locks.clone();
+        async move {
+            locks
+                .lock("k")
+                .ttl(LONG)
+                .cohort(false)
+                .wait(Duration::from_secs(60))
+                .acquire()
+                .await
+        }
+    };
+    let holder = request(&locks).await.unwrap();
+    // Local waiters, each holding long enough for the next to stand ready: hand-offs until
+    // the run's slice is spent, then a release to everyone.
+    let mut waiting = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        let take = request(&locks);
+        waiting.spawn(async move {
+            let guard = take.await.unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            guard.release().await.unwrap();
+        });
+    }
+    while locks.stats().waiting_requests < 8 || locks.stats().ready_for_handoff == 0 {
+        tokio::task::yield_now().await;
+    }
+    holder.release().await.unwrap();
+    let all_in = async {
+        while let Some(done) = waiting.join_next().await {
+            done.unwrap();
+        }
+    };
+    tokio::time::timeout(SOON, all_in)
+        .await
+        .expect("the lock was left free while the local waiters sat out a turn per listener");
+    assert!(
+        locks.stats().local_handoffs > 0,
+        "no run of hand-offs, so no yield: the test tested nothing"
+    );
+    drop(listeners);
+    assert!(keys(&server, &prefix).is_empty());
+}

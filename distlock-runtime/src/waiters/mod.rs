@@ -140,6 +140,12 @@ struct Queue {
 }
 
 /// The local head's turn comes after one release by each of `others` other processes.
+///
+/// A free lock is not left untaken for long meanwhile: other processes that heard the
+/// release but do not take the lock up (listeners on its channel, waiters sitting out turns
+/// of their own) would otherwise keep it free for a turn each. So the head takes a look (one
+/// attempt) once a turn has passed with no release heard; if another process has the lock,
+/// the head waits for its release as any waiter does, and sits out again after it.
 #[derive(Debug)]
 struct SittingOut {
     others: usize,
@@ -147,6 +153,38 @@ struct SittingOut {
     /// turn again before another had one does not end the wait early).
     heard: std::collections::HashSet<Vec<u8>>,
     until: Instant,
+    /// One other process's turn: a run of its hand-offs, at most.
+    turn: Duration,
+    /// When the head looks, unless a release is heard before: a turn after the last one.
+    look_at: Instant,
+}
+
+impl SittingOut {
+    fn new(others: usize, turn: Duration, now: Instant) -> Self {
+        let rounds = u32::try_from(others).unwrap_or(u32::MAX).saturating_mul(2);
+        Self {
+            others,
+            heard: std::collections::HashSet::new(),
+            until: crate::lease::saturating_add(now, turn.saturating_mul(rounds)),
+            turn,
+            look_at: crate::lease::saturating_add(now, turn),
+        }
+    }
+
+    /// Another process, tagged `by`, released the lock at `now`: whether every other
+    /// process has had its turn (the sit-out is over).
+    fn heard(&mut self, by: &[u8], now: Instant) -> bool {
+        self.heard.insert(by.to_vec());
+        self.look_at = crate::lease::saturating_add(now, self.turn);
+        self.heard.len() >= self.others
+    }
+
+    /// Until when the head waits before it asks: `None` when it may ask now (the sit-out is
+    /// over, or a look is due).
+    fn waits_until(&self, now: Instant) -> Option<Instant> {
+        let until = self.until.min(self.look_at);
+        (now < until).then_some(until)
+    }
 }
 
 /// How long a key stays followed after a cohort's holder released it with nobody waiting
@@ -487,12 +525,8 @@ impl Waiters {
             false => SLICE,
         }
         .min(lease / 10);
-        let until = Instant::now() + slice * 2 * u32::try_from(others).unwrap_or(u32::MAX);
-        key.lock_queue().sitting_out = Some(SittingOut {
-            others: usize::try_from(others).unwrap_or(usize::MAX),
-            heard: std::collections::HashSet::new(),
-            until,
-        });
+        let others = usize::try_from(others).unwrap_or(usize::MAX);
+        key.lock_queue().sitting_out = Some(SittingOut::new(others, slice, Instant::now()));
     }
 
     /// A release by this manager granted the fair lock behind `channel` to the waiter with
@@ -674,17 +708,17 @@ impl Ticket {
     }
 
     /// Until when the local head lets other processes' releases pass (see
-    /// [`Waiters::yielded`]), if it does now.
+    /// [`Waiters::yielded`]) before it asks: the end of the sit-out, or the look it takes
+    /// once a turn has gone by unused; `None` when it may ask now.
     pub(crate) fn sitting_out(&self) -> Option<Instant> {
         let mut queue = self.key.lock_queue();
-        match &queue.sitting_out {
-            Some(SittingOut { until, .. }) if Instant::now() < *until => Some(*until),
-            Some(_) => {
-                queue.sitting_out = None;
-                None
-            }
-            None => None,
+        let now = Instant::now();
+        let sitting = queue.sitting_out.as_ref()?;
+        if now >= sitting.until {
+            queue.sitting_out = None;
+            return None;
         }
+        sitting.waits_until(now)
     }
 
     /// Until when a waiter of this manager holds the plain lock, if it does (see
@@ -780,5 +814,41 @@ impl Drop for Ticket {
         if let (true, Some(shared)) = (idle, self.shared.upgrade()) {
             shared.forget_if_idle(&self.key);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TURN: Duration = Duration::from_millis(50);
+
+    #[test]
+    fn a_sit_out_lasts_a_turn_for_each_other_process_and_ends_when_each_had_one() {
+        let now = Instant::now();
+        let mut sitting = SittingOut::new(3, TURN, now);
+        assert_eq!(sitting.until, now + TURN * 6);
+        assert!(!sitting.heard(b"b", now + TURN / 2));
+        // The same process again does not count twice.
+        assert!(!sitting.heard(b"b", now + TURN / 2));
+        assert!(!sitting.heard(b"c", now + TURN));
+        assert!(sitting.heard(b"d", now + TURN));
+    }
+
+    #[test]
+    fn a_turn_gone_by_unused_lets_the_head_look() {
+        let now = Instant::now();
+        let mut sitting = SittingOut::new(200, TURN, now);
+        // Nobody took the lock up: a look after one turn, not two hundred.
+        assert_eq!(sitting.waits_until(now), Some(now + TURN));
+        assert_eq!(sitting.waits_until(now + TURN), None);
+        // A release heard is another process's turn ending: the next look is a turn after.
+        let later = now + TURN * 3;
+        assert!(!sitting.heard(b"b", later));
+        assert_eq!(sitting.waits_until(later), Some(later + TURN));
+        // Never past the end of the sit-out.
+        let mut short = SittingOut::new(1, TURN, now);
+        short.look_at = now + TURN * 5;
+        assert_eq!(short.waits_until(now), Some(now + TURN * 2));
     }
 }

@@ -34,11 +34,10 @@ impl Shared {
             }
             if message != self.manager_id.as_bytes() {
                 let mut queue = key.lock_queue();
-                if let Some(sitting) = &mut queue.sitting_out {
-                    sitting.heard.insert(message.to_vec());
-                    if sitting.heard.len() >= sitting.others {
-                        queue.sitting_out = None;
-                    }
+                if let Some(sitting) = &mut queue.sitting_out
+                    && sitting.heard(message, Instant::now())
+                {
+                    queue.sitting_out = None;
                 }
             }
             key.woken();
