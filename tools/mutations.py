@@ -156,6 +156,8 @@ MUTATIONS = [
     ("lease: a failed renewal is not marked lost", "leases",
      [(RT + "watchdog.rs", "                        lease.state.mark_lost();\n                        shared.counters.lost",
        "                        shared.counters.lost")]),
+    ("waiters: a sit-out takes no look when nobody takes the lock up", "liveness",
+     [(RT + "waiters/mod.rs", "let until = self.until.min(self.look_at);", "let until = self.until;")]),
     # --- Rust: connections on a real network
     ("waiters: a lost pub/sub connection is not followed again", "partitions",
      [(RT + "waiters/pubsub.rs", "        shared.lost_connection(generation);\n        shared.recover(&backend);",
