@@ -130,10 +130,35 @@ impl LockManager {
     /// Removes the lock `name` whatever holds it — every holder loses it — and wakes its
     /// waiters; the fencing counter stays, so tokens keep increasing. Returns what was
     /// removed, or `None` when the lock was free. The removal is one atomic step on the
-    /// server: what it returns is exactly what it removed, even while holders come and go.
-    /// For stuck locks only: a holder that is still running is not stopped, and learns of
-    /// the loss at its next renewal or release.
+    /// server: what it returns is exactly what it removed, even while holders come and go
+    /// (with RedLock, on every master that answered, a majority at least). For stuck locks
+    /// only: a holder that is still running is not stopped, and learns of the loss at its
+    /// next renewal or release.
     pub async fn force_release(&self, name: &str) -> Result<Option<LockInfo>, LockError> {
+        match self.forced(name, None).await? {
+            ForcedRelease::Removed(info) => Ok(Some(info)),
+            ForcedRelease::Free | ForcedRelease::Changed(_) => Ok(None),
+        }
+    }
+
+    /// As [`force_release`](Self::force_release), but only while the lock's holders are
+    /// exactly `holders` (their tokens, as [`inspect`](Self::inspect) showed them): what an
+    /// operator confirmed is what goes. A lock whose holders changed meanwhile is left as it
+    /// is and reported ([`ForcedRelease::Changed`]).
+    pub async fn force_release_if_held_by(
+        &self,
+        name: &str,
+        holders: &[&str],
+    ) -> Result<ForcedRelease, LockError> {
+        self.forced(name, Some(holders)).await
+    }
+
+    /// One forced release, on every node (a RedLock's masters all at once).
+    async fn forced(
+        &self,
+        name: &str,
+        only_if_held_by: Option<&[&str]>,
+    ) -> Result<ForcedRelease, LockError> {
         let keys = Keys::new(&self.inner.prefix, name.to_owned())?;
         let (fence, min_hold_timer) = (keys.fence(), keys.min_hold_timer());
         let (write_intent, wake) = (keys.write_intent(), keys.wake());
@@ -143,22 +168,64 @@ impl LockManager {
             min_hold_timer: &min_hold_timer,
             write_intent: &write_intent,
             wake: &wake,
+            only_if_held_by,
         }
         .call();
-        let failed = |e| LockError::redis(name, e);
-        let node = self.inner.backend.inspected();
-        let reply: Value = node.invoke(&call).await.map_err(failed)?;
-        let removed = Snapshot::from_reply(reply).map_err(failed)?;
-        for other in self.inner.backend.others() {
-            // The other RedLock masters: best effort, the quorum is gone with the first.
-            let _: Result<Value, _> = other.invoke(&call).await;
+        let backend = &self.inner.backend;
+        let nodes = std::iter::once(backend.inspected()).chain(backend.others());
+        let replies = futures_util::future::join_all(nodes.map(|node| node.invoke::<Value>(&call)));
+        let mut answered = Vec::new();
+        let mut failure = None;
+        for reply in replies.await {
+            match reply.and_then(Snapshot::from_reply) {
+                Ok(snapshot) => answered.push(snapshot),
+                Err(error) => failure = failure.or(Some(error)),
+            }
         }
-        let Some(mut info) = removed.describe(&keys) else {
-            return Ok(None);
-        };
-        name_holders(self, &mut info.holders).await;
-        Ok(Some(info))
+        // With RedLock, a removal a majority did not confirm may leave the holder its lock.
+        let masters = 1 + backend.others().len();
+        if answered.len() * 2 <= masters {
+            let error = failure.unwrap_or_else(|| {
+                redis::RedisError::from((redis::ErrorKind::Io, "no master answered"))
+            });
+            return Err(LockError::redis(name, error));
+        }
+        let mut outcome = ForcedRelease::Free;
+        for snapshot in &answered {
+            let Some(mut info) = snapshot.describe(&keys) else {
+                continue;
+            };
+            outcome = match (outcome, snapshot.removed) {
+                (ForcedRelease::Removed(mut all), true) => {
+                    // A holder another master had too is named once.
+                    info.holders
+                        .retain(|holder| all.holders.iter().all(|h| h.token != holder.token));
+                    all.holders.append(&mut info.holders);
+                    ForcedRelease::Removed(all)
+                }
+                (ForcedRelease::Removed(all), false) => ForcedRelease::Removed(all),
+                (_, true) => ForcedRelease::Removed(info),
+                (ForcedRelease::Changed(first), false) => ForcedRelease::Changed(first),
+                (ForcedRelease::Free, false) => ForcedRelease::Changed(info),
+            };
+        }
+        if let ForcedRelease::Removed(info) | ForcedRelease::Changed(info) = &mut outcome {
+            name_holders(self, &mut info.holders).await;
+        }
+        Ok(outcome)
     }
+}
+
+/// What [`LockManager::force_release_if_held_by`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ForcedRelease {
+    /// The lock was held by exactly the holders expected, and is gone: what was removed.
+    Removed(LockInfo),
+    /// The lock was free: nothing was removed.
+    Free,
+    /// The lock's holders were not the ones expected: nothing was removed. What holds it now.
+    Changed(LockInfo),
 }
 
 /// Reads one lock; `None` when its key does not exist.
@@ -188,6 +255,8 @@ struct Snapshot {
     fields: Vec<String>,
     /// Every live share: its token, its lease's `PTTL`, and its fencing token.
     shares: Vec<(String, i64, Option<u64>)>,
+    /// The forced release removed the lock.
+    removed: bool,
 }
 
 impl Snapshot {
@@ -228,35 +297,40 @@ impl Snapshot {
         Ok(snapshot)
     }
 
-    /// The script's reply: `{form, pttl, counter, fields, shares}`, the shares flattened.
+    /// The script's reply: `{form, pttl, counter, fields, shares, removed}`, the shares
+    /// flattened. Read leniently: a value that is not UTF-8 text, or not a number (another
+    /// program's key under the prefix), is shown as far as it can be, never an error after
+    /// the removal.
     fn from_reply(reply: Value) -> redis::RedisResult<Self> {
-        let (form, pttl, counter, fields, flat): (
-            String,
-            i64,
-            Option<u64>,
-            Vec<String>,
-            Vec<Value>,
-        ) = redis::from_redis_value(reply)?;
-        let mut shares = Vec::with_capacity(flat.len() / 3);
-        for share in flat.chunks(3) {
-            let [token, left, fence] = share else {
-                return Err(redis::RedisError::from((
-                    redis::ErrorKind::UnexpectedReturnType,
-                    "a share without its lease or fencing token",
-                )));
-            };
-            shares.push((
-                redis::from_redis_value(token.clone())?,
-                redis::from_redis_value(left.clone())?,
-                redis::from_redis_value(fence.clone())?,
-            ));
-        }
+        let unexpected = || {
+            redis::RedisError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "an answer of another shape from the forced release",
+            ))
+        };
+        let Value::Array(parts) = reply else {
+            return Err(unexpected());
+        };
+        let [form, pttl, counter, fields, shares, removed] = parts.as_slice() else {
+            return Err(unexpected());
+        };
+        let (Value::Array(fields), Value::Array(shares)) = (fields, shares) else {
+            return Err(unexpected());
+        };
         Ok(Snapshot {
-            form,
-            pttl,
-            counter,
-            fields,
-            shares,
+            form: text(form).ok_or_else(unexpected)?,
+            pttl: number(pttl).ok_or_else(unexpected)?,
+            counter: text(counter).and_then(|c| c.parse().ok()),
+            fields: fields.iter().map(|f| text(f).unwrap_or_default()).collect(),
+            shares: shares
+                .chunks_exact(3)
+                .map(|share| {
+                    let token = text(&share[0]).unwrap_or_default();
+                    let left = number(&share[1]).unwrap_or(-1);
+                    (token, left, text(&share[2]).and_then(|f| f.parse().ok()))
+                })
+                .collect(),
+            removed: number(removed) == Some(1),
         })
     }
 
@@ -341,6 +415,24 @@ impl Snapshot {
             }
             info.holders.push(holder);
         }
+    }
+}
+
+/// A reply's text, as far as it is text (lossy), or its number written out.
+fn text(value: &Value) -> Option<String> {
+    match value {
+        Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+        Value::SimpleString(text) => Some(text.clone()),
+        Value::Int(number) => Some(number.to_string()),
+        _ => None,
+    }
+}
+
+/// A reply's number.
+fn number(value: &Value) -> Option<i64> {
+    match value {
+        Value::Int(number) => Some(*number),
+        other => text(other)?.parse().ok(),
     }
 }
 

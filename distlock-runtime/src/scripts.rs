@@ -339,6 +339,8 @@ pub(crate) struct ForceRelease<'a> {
     pub(crate) min_hold_timer: &'a str,
     pub(crate) write_intent: &'a str,
     pub(crate) wake: &'a str,
+    /// Remove only if these are exactly the lock's holders (`None`: whatever holds it).
+    pub(crate) only_if_held_by: Option<&'a [&'a str]>,
 }
 
 impl ForceRelease<'_> {
@@ -347,7 +349,11 @@ impl ForceRelease<'_> {
         call.key(self.fence)
             .key(self.min_hold_timer)
             .key(self.write_intent)
-            .key(self.wake);
+            .key(self.wake)
+            .arg(flag(self.only_if_held_by.is_some()));
+        for token in self.only_if_held_by.unwrap_or_default() {
+            call.arg(*token);
+        }
         call
     }
 }

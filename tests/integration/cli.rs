@@ -160,6 +160,72 @@ async fn release_asks_and_removes_exactly_the_lock() {
     assert!(keys(&server, &prefix).is_empty());
 }
 
+/// What the operator confirmed is what goes: a lock that changed hands while they read the
+/// prompt is shown again and asked about again, and the new holder keeps it unless they say
+/// yes to it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_asks_again_when_the_holders_changed_while_the_operator_read() {
+    use std::io::Read;
+    let server = shared_server();
+    let prefix = unique_prefix("cli-changed");
+    let locks = manager(&server, &prefix).await;
+    let first = locks.lock("stuck").acquire().await.unwrap();
+    let url = server.url();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_distlock"))
+        .args(["release", "stuck", "--force"])
+        .env_clear()
+        .env("DISTLOCK_URL", &url)
+        .env("DISTLOCK_KEY_PREFIX", &prefix)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let (sent, printed) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        let mut chunk = [0; 4096];
+        while let Ok(n @ 1..) = stdout.read(&mut chunk) {
+            let _ = sent.send(String::from_utf8_lossy(&chunk[..n]).into_owned());
+        }
+    });
+    let mut seen = String::new();
+    let mut until_printed = |what: &str, times: usize| {
+        while seen.matches(what).count() < times {
+            match printed.recv_timeout(Duration::from_secs(20)) {
+                Ok(more) => seen.push_str(&more),
+                Err(_) => panic!("never printed {what:?}:\n{seen}"),
+            }
+        }
+        seen.clone()
+    };
+    let asked = until_printed("[y/N] ", 1);
+    assert!(asked.contains(first.token()), "{asked}");
+    // While the operator reads: the holder leaves, another takes the lock.
+    first.release().await.unwrap();
+    let second = locks.lock("stuck").acquire().await.unwrap();
+    stdin.write_all(b"y\n").unwrap();
+    let again = until_printed("[y/N] ", 2);
+    assert!(again.contains("changed meanwhile"), "{again}");
+    assert!(again.contains(second.token()), "{again}");
+    assert!(
+        second.is_held().await.unwrap(),
+        "removed without being confirmed"
+    );
+    stdin.write_all(b"y\n").unwrap();
+    drop(stdin);
+    let status = child.wait().unwrap();
+    reader.join().unwrap();
+    let done = until_printed(&format!("removed {} (", locks.redis_key("stuck")), 1);
+    assert!(status.success(), "{done}");
+    assert!(matches!(
+        second.release().await,
+        Err(LockError::Lost { .. })
+    ));
+    assert!(keys(&server, &prefix).is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_prints_holders_as_they_change() {
     use std::io::BufRead;

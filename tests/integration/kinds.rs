@@ -656,3 +656,60 @@ async fn a_forced_release_removes_exactly_the_holders_it_reports() {
         );
     }
 }
+
+/// A forced release made on the holders an operator confirmed removes the lock only while
+/// those are its holders: a lock that changed hands meanwhile stays with its new holder, and
+/// is reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_confirmed_forced_release_leaves_a_lock_that_changed_hands() {
+    use distlock::inspect::ForcedRelease;
+    let server = shared_server();
+    let prefix = unique_prefix("forced-confirmed");
+    let locks = manager(&server, &prefix).await;
+    let forcing = manager(&server, &prefix).await;
+    for kind in [Exclusive, Write, Read, Permit(2)] {
+        let key = format!("{kind:?}");
+        let first = request(&locks, kind, &key).acquire().await.unwrap();
+        let shown = forcing.inspect(&key).await.unwrap().unwrap();
+        let confirmed: Vec<&str> = shown.holders.iter().map(|h| h.token.as_str()).collect();
+        assert_eq!(confirmed, [first.token()], "{kind:?}");
+        // The holder leaves and another takes the lock before the operator says yes.
+        first.release().await.unwrap();
+        let second = request(&locks, kind, &key).acquire().await.unwrap();
+        match forcing
+            .force_release_if_held_by(&key, &confirmed)
+            .await
+            .unwrap()
+        {
+            ForcedRelease::Changed(now) => {
+                let tokens: Vec<&str> = now.holders.iter().map(|h| h.token.as_str()).collect();
+                assert_eq!(tokens, [second.token()], "{kind:?}");
+            }
+            other => panic!("{kind:?}: {other:?}"),
+        }
+        assert!(
+            second.is_held().await.unwrap(),
+            "{kind:?}: the new holder kept it"
+        );
+        // Confirmed on the holders it has, it goes.
+        match forcing
+            .force_release_if_held_by(&key, &[second.token()])
+            .await
+            .unwrap()
+        {
+            ForcedRelease::Removed(gone) => assert_eq!(gone.holders.len(), 1, "{kind:?}"),
+            other => panic!("{kind:?}: {other:?}"),
+        }
+        let token = second.token().to_owned();
+        assert!(
+            matches!(second.release().await, Err(LockError::Lost { .. })),
+            "{kind:?}"
+        );
+        let free = forcing
+            .force_release_if_held_by(&key, &[token.as_str()])
+            .await
+            .unwrap();
+        assert_eq!(free, ForcedRelease::Free, "{kind:?}");
+    }
+    assert!(keys(&server, &prefix).is_empty());
+}

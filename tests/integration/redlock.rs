@@ -231,3 +231,44 @@ async fn a_restarted_master_stays_out_of_the_quorum() {
     }
     held.release().await.unwrap();
 }
+
+/// A forced release answers for what a majority of masters did: with the first master
+/// frozen, the lock the other two hold is removed and reported; with two of three frozen,
+/// it is an error within the response timeout — not a removal claimed while the holder
+/// may keep a majority (the frozen masters run the removal when they wake, or not).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_release_answers_for_a_majority_of_masters() {
+    let servers = support::redlock_masters(3);
+    let locks = redlock(&servers).await;
+    let forcing = redlock(&servers).await;
+    let held = locks
+        .lock("stuck")
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    servers[0].pause().unwrap();
+    let removed = forcing.force_release("stuck").await;
+    servers[0].resume().unwrap();
+    let removed = removed.unwrap().expect("held on two masters of three");
+    assert_eq!(removed.holders[0].token, held.token());
+    assert!(matches!(held.release().await, Err(LockError::Lost { .. })));
+
+    let held = locks
+        .lock("stuck")
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    servers[0].pause().unwrap();
+    servers[1].pause().unwrap();
+    let started = Instant::now();
+    let answer = forcing.force_release("stuck").await;
+    let took = started.elapsed();
+    servers[0].resume().unwrap();
+    servers[1].resume().unwrap();
+    assert!(matches!(answer, Err(LockError::Redis { .. })), "{answer:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    // Removed by the masters as they woke, or given back now.
+    let _ = held.release().await;
+}

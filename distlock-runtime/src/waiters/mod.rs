@@ -144,8 +144,9 @@ struct Queue {
 /// A free lock is not left untaken for long meanwhile: other processes that heard the
 /// release but do not take the lock up (listeners on its channel, waiters sitting out turns
 /// of their own) would otherwise keep it free for a turn each. So the head takes a look (one
-/// attempt) once a turn has passed with no release heard; if another process has the lock,
-/// the head waits for its release as any waiter does, and sits out again after it.
+/// attempt) once two turns have passed since the yield or since the last release heard from
+/// another process: if the lock is free, it takes it; if another process has it, the head
+/// waits for its release as any waiter does, and looks again two turns after it.
 #[derive(Debug)]
 struct SittingOut {
     others: usize,
@@ -155,11 +156,22 @@ struct SittingOut {
     until: Instant,
     /// One other process's turn: a run of its hand-offs, at most.
     turn: Duration,
-    /// When the head looks, unless a release is heard before: a turn after the last one.
+    /// When the head looks, unless a release is heard before.
     look_at: Instant,
 }
 
+/// One other process's turn after a yield: a run of its hand-offs at most (of local passes,
+/// `cohort`, bounded by the cohort's time; a tenth of the lease when that is shorter).
+fn turn_of(cohort: bool, bounds: CohortBounds, lease: Duration) -> Duration {
+    match cohort && bounds.passes > 0 {
+        true => bounds.time,
+        false => SLICE,
+    }
+    .min(lease / 10)
+}
+
 impl SittingOut {
+    /// A sit-out for `others` other processes' turns of `turn` each, from `now`.
     fn new(others: usize, turn: Duration, now: Instant) -> Self {
         let rounds = u32::try_from(others).unwrap_or(u32::MAX).saturating_mul(2);
         Self {
@@ -167,15 +179,20 @@ impl SittingOut {
             heard: std::collections::HashSet::new(),
             until: crate::lease::saturating_add(now, turn.saturating_mul(rounds)),
             turn,
-            look_at: crate::lease::saturating_add(now, turn),
+            look_at: crate::lease::saturating_add(now, turn.saturating_mul(2)),
         }
     }
 
     /// Another process, tagged `by`, released the lock at `now`: whether every other
-    /// process has had its turn (the sit-out is over).
+    /// process has had its turn (the sit-out is over). A message with no tag is no release
+    /// of another process's turn (a writer taking back its intent, a forced release): it
+    /// neither counts nor puts the look off.
     fn heard(&mut self, by: &[u8], now: Instant) -> bool {
+        if by.is_empty() {
+            return false;
+        }
         self.heard.insert(by.to_vec());
-        self.look_at = crate::lease::saturating_add(now, self.turn);
+        self.look_at = crate::lease::saturating_add(now, self.turn.saturating_mul(2));
         self.heard.len() >= self.others
     }
 
@@ -475,11 +492,14 @@ impl Waiters {
             (Choice::Pass, Some(offer)) => return Next::Pass(offer),
             (Choice::Yield, offer) => {
                 // The offer goes back to its waiter, which hears the release like everyone
-                // else.
+                // else. Its wake-up may come before the release's answer says how many
+                // others heard it (`yielded`): the head sits out one other's turns already.
                 let head = queue.entries.iter_mut().find(|entry| entry.fair.is_none());
                 if let Some(head) = head {
                     head.offer = offer;
                 }
+                let turn = turn_of(passable.is_some(), bounds, lease);
+                queue.sitting_out = Some(SittingOut::new(1, turn, Instant::now()));
                 return Next::Yield;
             }
             (Choice::Release | Choice::HandOff | Choice::Pass, offer) => offer,
@@ -519,14 +539,16 @@ impl Waiters {
         if others == 0 {
             return self.released(channel);
         }
-        let bounds = self.shared.cohort;
-        let slice = match cohort && bounds.passes > 0 {
-            true => bounds.time,
-            false => SLICE,
-        }
-        .min(lease / 10);
+        let slice = turn_of(cohort, self.shared.cohort, lease);
         let others = usize::try_from(others).unwrap_or(usize::MAX);
-        key.lock_queue().sitting_out = Some(SittingOut::new(others, slice, Instant::now()));
+        let mut queue = key.lock_queue();
+        // Releases heard since the yield (its provisional sit-out) still count.
+        let heard = queue.sitting_out.take().map(|sitting| sitting.heard);
+        let mut sitting = SittingOut::new(others, slice, Instant::now());
+        sitting.heard = heard.unwrap_or_default();
+        if sitting.heard.len() < others {
+            queue.sitting_out = Some(sitting);
+        }
     }
 
     /// A release by this manager granted the fair lock behind `channel` to the waiter with
@@ -554,11 +576,15 @@ impl Waiters {
         }
     }
 
-    /// A lock behind `channel` was released by this manager: wake its local head at once.
+    /// A lock behind `channel` was released by this manager: wake its local head at once
+    /// (a sit-out this manager owed is over: its release is everyone's turn).
     pub(crate) fn released(&self, channel: &str) {
         let key = self.shared.lock_keys().get(channel).cloned();
         if let Some(key) = key {
-            key.lock_queue().held_here = None;
+            let mut queue = key.lock_queue();
+            queue.held_here = None;
+            queue.sitting_out = None;
+            drop(queue);
             key.woken();
             self.shared.forget_if_idle(&key);
         }
@@ -836,16 +862,21 @@ mod tests {
     }
 
     #[test]
-    fn a_turn_gone_by_unused_lets_the_head_look() {
+    fn two_turns_gone_by_unused_let_the_head_look() {
         let now = Instant::now();
         let mut sitting = SittingOut::new(200, TURN, now);
-        // Nobody took the lock up: a look after one turn, not two hundred.
-        assert_eq!(sitting.waits_until(now), Some(now + TURN));
-        assert_eq!(sitting.waits_until(now + TURN), None);
-        // A release heard is another process's turn ending: the next look is a turn after.
+        // Nobody took the lock up: a look after two turns, not four hundred.
+        assert_eq!(sitting.waits_until(now), Some(now + TURN * 2));
+        assert_eq!(sitting.waits_until(now + TURN * 2), None);
+        // A release heard is another process's turn ending: the next look is two turns after.
         let later = now + TURN * 3;
         assert!(!sitting.heard(b"b", later));
-        assert_eq!(sitting.waits_until(later), Some(later + TURN));
+        assert_eq!(sitting.waits_until(later), Some(later + TURN * 2));
+        // A message without a tag (a writer taking back its intent) is no turn: it neither
+        // counts nor puts the look off.
+        assert!(!sitting.heard(b"", later + TURN));
+        assert_eq!(sitting.heard.len(), 1);
+        assert_eq!(sitting.waits_until(later + TURN), Some(later + TURN * 2));
         // Never past the end of the sit-out.
         let mut short = SittingOut::new(1, TURN, now);
         short.look_at = now + TURN * 5;

@@ -3,7 +3,7 @@
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
-use distlock::inspect::{Holder, LockInfo, LockKind};
+use distlock::inspect::{ForcedRelease, Holder, LockInfo, LockKind};
 use distlock::{LockError, LockManager};
 
 use crate::exit;
@@ -21,11 +21,18 @@ pub(crate) async fn release(
         );
         return Ok(exit::USAGE);
     }
-    let Some(info) = locks.inspect(key).await? else {
-        let _ = writeln!(out, "{key}: not held, nothing removed");
-        return Ok(exit::NONE);
+    if yes {
+        return Ok(match locks.force_release(key).await? {
+            Some(removed) => removed_line(&mut out, &removed),
+            None => free_line(&mut out, key),
+        });
+    }
+    let Some(mut info) = locks.inspect(key).await? else {
+        return Ok(free_line(&mut out, key));
     };
-    if !yes {
+    // What the operator confirms is what goes: holders that changed while they read are
+    // shown again, and asked about again.
+    loop {
         print_detail(&mut out, &info);
         let _ = write!(out, "Remove {key} from every holder above? [y/N] ");
         let _ = out.flush();
@@ -35,23 +42,34 @@ pub(crate) async fn release(
             let _ = writeln!(out, "nothing removed");
             return Ok(exit::NONE);
         }
-    }
-    match locks.force_release(key).await? {
-        Some(removed) => {
-            let _ = writeln!(
-                out,
-                "removed {} ({}), held by {}",
-                removed.key,
-                removed.kind.as_str(),
-                holders(&removed.holders)
-            );
-            Ok(0)
-        }
-        None => {
-            let _ = writeln!(out, "{key}: already free, nothing removed");
-            Ok(exit::NONE)
+        let confirmed: Vec<&str> = info.holders.iter().map(|h| h.token.as_str()).collect();
+        match locks.force_release_if_held_by(key, &confirmed).await? {
+            ForcedRelease::Removed(removed) => return Ok(removed_line(&mut out, &removed)),
+            ForcedRelease::Changed(now) => {
+                let _ = writeln!(out, "{key}: its holders changed meanwhile, nothing removed");
+                info = now;
+            }
+            _ => return Ok(free_line(&mut out, key)),
         }
     }
+}
+
+/// Says what a forced release removed.
+fn removed_line(out: &mut impl Write, removed: &LockInfo) -> u8 {
+    let _ = writeln!(
+        out,
+        "removed {} ({}), held by {}",
+        removed.key,
+        removed.kind.as_str(),
+        holders(&removed.holders)
+    );
+    0
+}
+
+/// Says that the lock was free.
+fn free_line(out: &mut impl Write, key: &str) -> u8 {
+    let _ = writeln!(out, "{key}: not held, nothing removed");
+    exit::NONE
 }
 
 pub(crate) async fn watch(
