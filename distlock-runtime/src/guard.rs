@@ -476,12 +476,12 @@ impl LockGuard {
                 Ok(())
             }
             Ok(None) => {
-                inner.waiters.released(&ids.wake);
+                inner.waiters.unyielded(&ids.wake);
                 self.parts.lease.mark_lost();
                 Err(self.lost_error())
             }
             Err(error) => {
-                inner.waiters.released(&ids.wake);
+                inner.waiters.unyielded(&ids.wake);
                 // Sent again from the background: whether it arrived is unknown.
                 inner.releaser().in_background(ids, None);
                 Err(LockError::redis(self.key(), error))

@@ -150,7 +150,11 @@ impl LockManager {
         name: &str,
         holders: &[&str],
     ) -> Result<ForcedRelease, LockError> {
-        self.forced(name, Some(holders)).await
+        // Each holder once: the script compares how many there are.
+        let mut holders = holders.to_vec();
+        holders.sort_unstable();
+        holders.dedup();
+        self.forced(name, Some(&holders)).await
     }
 
     /// One forced release, on every node (a RedLock's masters all at once).
@@ -189,6 +193,19 @@ impl LockManager {
                 redis::RedisError::from((redis::ErrorKind::Io, "no master answered"))
             });
             return Err(LockError::redis(name, error));
+        }
+        // Gone where it was removed or was not there: anything less than a majority leaves
+        // the holders the others kept their lock (only a conditional removal keeps it).
+        let gone = answered
+            .iter()
+            .filter(|s| s.removed || s.form == "none")
+            .count();
+        if gone * 2 <= masters {
+            let kept = answered.iter().find(|s| !s.removed && s.form != "none");
+            if let Some(mut info) = kept.and_then(|snapshot| snapshot.describe(&keys)) {
+                name_holders(self, &mut info.holders).await;
+                return Ok(ForcedRelease::Changed(info));
+            }
         }
         let mut outcome = ForcedRelease::Free;
         for snapshot in &answered {

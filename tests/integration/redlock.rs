@@ -272,3 +272,35 @@ async fn a_forced_release_answers_for_a_majority_of_masters() {
     // Removed by the masters as they woke, or given back now.
     let _ = held.release().await;
 }
+
+/// The holders confirmed on one master are not what a majority has: a stale copy for A on
+/// the first master, B's lock on the other two. Removing "A's" lock takes A's stale copy
+/// only, and reports B, who keeps the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_confirmed_forced_release_answers_for_what_a_majority_holds() {
+    use distlock::inspect::ForcedRelease;
+    let servers = support::redlock_masters(3);
+    let forcing = redlock(&servers).await;
+    let key = forcing.redis_key("split");
+    for (server, token) in servers.iter().zip(["a-stale", "b-holds", "b-holds"]) {
+        server
+            .command(&["SET", &key, token, "PX", "30000"])
+            .unwrap();
+    }
+    match forcing
+        .force_release_if_held_by("split", &["a-stale"])
+        .await
+        .unwrap()
+    {
+        ForcedRelease::Changed(now) => assert_eq!(now.holders[0].token, "b-holds"),
+        other => panic!("{other:?}"),
+    }
+    let left: Vec<String> = servers
+        .iter()
+        .map(|server| server.command(&["GET", &key]).unwrap())
+        .collect();
+    assert_eq!(left[1..], ["b-holds", "b-holds"], "{left:?}");
+    for server in &servers {
+        server.command(&["DEL", &key]).unwrap();
+    }
+}

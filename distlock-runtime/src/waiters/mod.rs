@@ -158,6 +158,10 @@ struct SittingOut {
     turn: Duration,
     /// When the head looks, unless a release is heard before.
     look_at: Instant,
+    /// Made as the release chose to yield, before its answer said how many others heard it
+    /// (`Waiters::yielded` sets the count): releases heard meanwhile are kept for it, and
+    /// never end it.
+    provisional: bool,
 }
 
 /// One other process's turn after a yield: a run of its hand-offs at most (of local passes,
@@ -180,20 +184,22 @@ impl SittingOut {
             until: crate::lease::saturating_add(now, turn.saturating_mul(rounds)),
             turn,
             look_at: crate::lease::saturating_add(now, turn.saturating_mul(2)),
+            provisional: false,
         }
     }
 
     /// Another process, tagged `by`, released the lock at `now`: whether every other
-    /// process has had its turn (the sit-out is over). A message with no tag is no release
-    /// of another process's turn (a writer taking back its intent, a forced release): it
-    /// neither counts nor puts the look off.
+    /// process has had its turn (the sit-out is over). Only a plain lock's release carries
+    /// its process's tag, and only those take part in runs of hand-offs; a message without
+    /// one (another kind's or a set's release, a writer taking back its intent, a forced
+    /// release) neither counts nor puts the look off.
     fn heard(&mut self, by: &[u8], now: Instant) -> bool {
         if by.is_empty() {
             return false;
         }
         self.heard.insert(by.to_vec());
         self.look_at = crate::lease::saturating_add(now, self.turn.saturating_mul(2));
-        self.heard.len() >= self.others
+        !self.provisional && self.heard.len() >= self.others
     }
 
     /// Until when the head waits before it asks: `None` when it may ask now (the sit-out is
@@ -499,7 +505,9 @@ impl Waiters {
                     head.offer = offer;
                 }
                 let turn = turn_of(passable.is_some(), bounds, lease);
-                queue.sitting_out = Some(SittingOut::new(1, turn, Instant::now()));
+                let mut sitting = SittingOut::new(1, turn, Instant::now());
+                sitting.provisional = true;
+                queue.sitting_out = Some(sitting);
                 return Next::Yield;
             }
             (Choice::Release | Choice::HandOff | Choice::Pass, offer) => offer,
@@ -537,13 +545,15 @@ impl Waiters {
         let subscribed = key.subscribed_in.load(Ordering::Acquire) != 0;
         let others = heard.saturating_sub(u64::from(subscribed));
         if others == 0 {
-            return self.released(channel);
+            return self.unyielded(channel);
         }
         let slice = turn_of(cohort, self.shared.cohort, lease);
         let others = usize::try_from(others).unwrap_or(usize::MAX);
         let mut queue = key.lock_queue();
         // Releases heard since the yield (its provisional sit-out) still count.
-        let heard = queue.sitting_out.take().map(|sitting| sitting.heard);
+        let heard = (queue.sitting_out.take())
+            .filter(|sitting| sitting.provisional)
+            .map(|sitting| sitting.heard);
         let mut sitting = SittingOut::new(others, slice, Instant::now());
         sitting.heard = heard.unwrap_or_default();
         if sitting.heard.len() < others {
@@ -576,15 +586,21 @@ impl Waiters {
         }
     }
 
-    /// A lock behind `channel` was released by this manager: wake its local head at once
-    /// (a sit-out this manager owed is over: its release is everyone's turn).
+    /// A release that chose to yield (see [`next`](Self::next)) did not reach everyone as
+    /// one: the lock was not this manager's any more, or Redis did not answer. The head sits
+    /// out no longer, and is woken at once.
+    pub(crate) fn unyielded(&self, channel: &str) {
+        if let Some(key) = self.shared.lock_keys().get(channel).cloned() {
+            key.lock_queue().sitting_out = None;
+        }
+        self.released(channel);
+    }
+
+    /// A lock behind `channel` was released by this manager: wake its local head at once.
     pub(crate) fn released(&self, channel: &str) {
         let key = self.shared.lock_keys().get(channel).cloned();
         if let Some(key) = key {
-            let mut queue = key.lock_queue();
-            queue.held_here = None;
-            queue.sitting_out = None;
-            drop(queue);
+            key.lock_queue().held_here = None;
             key.woken();
             self.shared.forget_if_idle(&key);
         }
@@ -859,6 +875,13 @@ mod tests {
         assert!(!sitting.heard(b"b", now + TURN / 2));
         assert!(!sitting.heard(b"c", now + TURN));
         assert!(sitting.heard(b"d", now + TURN));
+        // Made at the yield, before the count is known: what it hears is kept, and ends
+        // nothing until the count comes.
+        let mut early = SittingOut::new(1, TURN, now);
+        early.provisional = true;
+        assert!(!early.heard(b"b", now));
+        assert!(!early.heard(b"c", now));
+        assert_eq!(early.heard.len(), 2);
     }
 
     #[test]
