@@ -23,7 +23,8 @@
 //! * liveness: a monitor samples every key while the programs run. A key that is free in
 //!   Redis while some request sleeps in `acquire()` for it, with nobody entering it, for
 //!   longer than `STARVED` (plus any injected fault window the stretch overlaps and a
-//!   recovery after it) is a violation. A set waits for all its keys at once: every one of
+//!   recovery after it, and any stall the monitor measures on itself: its timer firing more
+//!   than `STALL` late, when the machine ran nobody) is a violation. A set waits for all its keys at once: every one of
 //!   them free in Redis together for that long, none entered, while the set sleeps, is a
 //!   violation;
 //! * steals: some programs have their own lock taken away while they hold it (a forced
@@ -62,6 +63,9 @@ const BOUND: Duration = Duration::from_secs(30);
 /// A key free in Redis while a request sleeps waiting for it, and nobody enters it, for longer
 /// than this (outside fault windows) is a liveness violation.
 const STARVED: Duration = Duration::from_millis(250);
+/// The monitor's timer firing later than this past its time is a stall of the process: that
+/// stretch is allowed to a waiter as a fault window is (a loaded machine starves everyone).
+const STALL: Duration = Duration::from_millis(10);
 /// After an injected fault ends, connections and subscriptions take this long to recover: a
 /// free stretch that overlaps a fault window may last the window and this much longer.
 const RECOVERY: Duration = Duration::from_millis(1_500);
@@ -158,6 +162,9 @@ struct State {
     last_entry: HashMap<String, Instant>,
     /// Injected faults: from, until (`None` while it lasts).
     fault_windows: Vec<(Instant, Option<Instant>)>,
+    /// Stretches in which the monitor's own timer fired late by more than `STALL`: the
+    /// process (its runtime, or the whole machine) did not run, and neither did the waiters.
+    stalls: Vec<(Instant, Instant)>,
     /// The longest lease each live owner asked for (its holds' `ttl`, its extends).
     lease_caps: HashMap<String, Duration>,
     liveness_samples: u64,
@@ -534,13 +541,14 @@ impl History {
     }
 
     /// The fault allowance of a free stretch from `from` to `to`: how much of it lies in a
-    /// fault window or the recovery after one (their union, each moment counted once).
+    /// fault window or the recovery after one, or in a stall the monitor measured on itself
+    /// (their union, each moment counted once).
     fn allowance(&self, from: Instant, to: Instant) -> Duration {
         let state = self.lock();
-        let mut windows: Vec<(Instant, Instant)> = state
-            .fault_windows
-            .iter()
-            .map(|(start, end)| (*start, end.unwrap_or(to) + RECOVERY))
+        let faults =
+            (state.fault_windows.iter()).map(|(start, end)| (*start, end.unwrap_or(to) + RECOVERY));
+        let mut windows: Vec<(Instant, Instant)> = faults
+            .chain(state.stalls.iter().copied())
             .filter(|(start, end)| *start < to && *end > from)
             .map(|(start, end)| (start.max(from), end.min(to)))
             .collect();
@@ -561,8 +569,8 @@ impl History {
         let state = self.lock();
         println!(
             "history [{topology}] seed {seed}: {} acquisitions ({} by local pass, {} sets of {} \
-             keys, {} leaders elected), {} lease checks, {} steals, {} liveness samples, {} \
-             faults injected, {} violations{}",
+             keys, {} leaders elected), {} lease checks, {} steals, {} liveness samples ({} \
+             stalls of the monitor, {:?} in all), {} faults injected, {} violations{}",
             state.acquisitions,
             state.local_passes,
             state.sets,
@@ -571,6 +579,12 @@ impl History {
             state.lease_checks,
             state.steals,
             state.liveness_samples,
+            state.stalls.len(),
+            state
+                .stalls
+                .iter()
+                .map(|(from, to)| *to - *from)
+                .sum::<Duration>(),
             state.faults,
             state.violations.len(),
             match state.void_before {
@@ -2084,9 +2098,14 @@ async fn monitor(world: World, locks: LockManager, stop: Arc<tokio::sync::Notify
     let stopped = stop.notified();
     tokio::pin!(stopped);
     loop {
+        let due = Instant::now() + SAMPLE;
         tokio::select! {
             () = &mut stopped => return,
-            () = tokio::time::sleep(SAMPLE) => {}
+            () = tokio::time::sleep_until(due.into()) => {}
+        }
+        let woke = Instant::now();
+        if woke > due + STALL {
+            world.history.lock().stalls.push((due, woke));
         }
         for key in KEYS {
             let sampled = Instant::now();
@@ -2191,10 +2210,11 @@ async fn monitor(world: World, locks: LockManager, stop: Arc<tokio::sync::Notify
                 .max()
                 .unwrap_or(free);
             let starved = now.saturating_duration_since(from);
-            if starved > STARVED && starved > STARVED + world.history.allowance(from, now) {
+            let allowed = world.history.allowance(from, now);
+            if starved > STARVED && starved > STARVED + allowed {
                 world.history.violation(format!(
                     "liveness: {key} free in Redis for {starved:?}, entered by nobody, while {who} \
-                     waited for it (since {:?} ago)",
+                     waited for it (since {:?} ago; {allowed:?} of it in faults or stalls)",
                     waiting_since.elapsed()
                 ));
                 free_since.remove(key);
@@ -2227,10 +2247,12 @@ fn starved_sets(world: &World, free: &mut HashMap<&'static str, Instant>) {
     drop(state);
     for (keys, from, since, who) in stretches {
         let starved = now.saturating_duration_since(from);
-        if starved > STARVED && starved > STARVED + world.history.allowance(from, now) {
+        let allowed = world.history.allowance(from, now);
+        if starved > STARVED && starved > STARVED + allowed {
             world.history.violation(format!(
                 "liveness: {keys:?} all free in Redis for {starved:?}, entered by nobody, while \
-                 the set {who} waited for them (since {:?} ago)",
+                 the set {who} waited for them (since {:?} ago; {allowed:?} of it in faults or \
+                 stalls)",
                 since.elapsed()
             ));
             for key in &keys {
