@@ -194,42 +194,43 @@ impl LockManager {
             });
             return Err(LockError::redis(name, error));
         }
-        // Gone where it was removed or was not there: anything less than a majority leaves
-        // the holders the others kept their lock (only a conditional removal keeps it).
-        let gone = answered
-            .iter()
-            .filter(|s| s.removed || s.form == "none")
-            .count();
-        if gone * 2 <= masters {
-            let kept = answered.iter().find(|s| !s.removed && s.form != "none");
-            if let Some(mut info) = kept.and_then(|snapshot| snapshot.describe(&keys)) {
-                name_holders(self, &mut info.holders).await;
-                return Ok(ForcedRelease::Changed(info));
-            }
-        }
-        let mut outcome = ForcedRelease::Free;
-        for snapshot in &answered {
-            let Some(mut info) = snapshot.describe(&keys) else {
-                continue;
-            };
-            outcome = match (outcome, snapshot.removed) {
-                (ForcedRelease::Removed(mut all), true) => {
-                    // A holder another master had too is named once.
-                    info.holders
-                        .retain(|holder| all.holders.iter().all(|h| h.token != holder.token));
-                    all.holders.append(&mut info.holders);
-                    ForcedRelease::Removed(all)
-                }
-                (ForcedRelease::Removed(all), false) => ForcedRelease::Removed(all),
-                (_, true) => ForcedRelease::Removed(info),
-                (ForcedRelease::Changed(first), false) => ForcedRelease::Changed(first),
-                (ForcedRelease::Free, false) => ForcedRelease::Changed(info),
-            };
-        }
+        let mut outcome = settle(&answered, masters, &keys);
         if let ForcedRelease::Removed(info) | ForcedRelease::Changed(info) = &mut outcome {
             name_holders(self, &mut info.holders).await;
         }
         Ok(outcome)
+    }
+}
+
+/// What a forced release did, from the answers of the nodes (a majority of `masters` at
+/// least): `Removed`, naming every holder removed, where some node removed it and it is gone
+/// from a majority; `Changed`, with what holds it, where a node kept it (its holders were not
+/// the ones expected) and it is not gone from a majority; `Free` when no node had it.
+fn settle(answered: &[Snapshot], masters: usize, keys: &Keys) -> ForcedRelease {
+    let removed: Vec<LockInfo> = (answered.iter())
+        .filter(|snapshot| snapshot.removed)
+        .filter_map(|snapshot| snapshot.describe(keys))
+        .collect();
+    let kept = (answered.iter())
+        .filter(|snapshot| !snapshot.removed)
+        .find_map(|snapshot| snapshot.describe(keys));
+    let gone = (answered.iter())
+        .filter(|snapshot| snapshot.removed || snapshot.form == "none")
+        .count();
+    match (removed.split_first(), kept) {
+        (_, Some(kept)) if gone * 2 <= masters => ForcedRelease::Changed(kept),
+        (Some((first, others)), _) => {
+            let mut all = first.clone();
+            for holder in others.iter().flat_map(|info| &info.holders) {
+                // A holder another node had too is named once.
+                if all.holders.iter().all(|h| h.token != holder.token) {
+                    all.holders.push(holder.clone());
+                }
+            }
+            ForcedRelease::Removed(all)
+        }
+        (None, Some(kept)) => ForcedRelease::Changed(kept),
+        (None, None) => ForcedRelease::Free,
     }
 }
 
@@ -546,6 +547,62 @@ mod tests {
         assert_eq!(name_of("app:", "app:{order:1}:fence"), None);
         assert_eq!(name_of("app:", "app:{order:1}:s:abc"), None);
         assert_eq!(name_of("app:", "other:{x}"), None);
+    }
+
+    /// A node's answer: a plain lock held by `token` (`None`: no key), removed or kept.
+    fn answer(token: Option<&str>, removed: bool) -> Snapshot {
+        Snapshot {
+            form: if token.is_some() { "string" } else { "none" }.to_owned(),
+            pttl: token.map_or(-2, |_| 1_000),
+            fields: token.into_iter().map(str::to_owned).collect(),
+            removed,
+            ..Snapshot::default()
+        }
+    }
+
+    fn holders(outcome: &ForcedRelease) -> Vec<&str> {
+        match outcome {
+            ForcedRelease::Removed(info) | ForcedRelease::Changed(info) => {
+                info.holders.iter().map(|h| h.token.as_str()).collect()
+            }
+            ForcedRelease::Free => Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_forced_release_answers_for_what_a_majority_of_nodes_did() {
+        let keys = Keys::new("p:", "k".to_owned()).unwrap();
+        let one = |a| settle(&[a], 1, &keys);
+        assert!(matches!(
+            one(answer(Some("a"), true)),
+            ForcedRelease::Removed(_)
+        ));
+        assert!(matches!(
+            one(answer(Some("b"), false)),
+            ForcedRelease::Changed(_)
+        ));
+        assert_eq!(one(answer(None, false)), ForcedRelease::Free);
+        // RedLock: a stale copy removed on one master, the holder a majority has kept.
+        let split = [
+            answer(Some("a"), true),
+            answer(Some("b"), false),
+            answer(Some("b"), false),
+        ];
+        let outcome = settle(&split, 3, &keys);
+        assert!(matches!(outcome, ForcedRelease::Changed(_)), "{outcome:?}");
+        assert_eq!(holders(&outcome), ["b"]);
+        // Gone from a majority: every holder removed is named, each once.
+        let gone = [
+            answer(Some("a"), true),
+            answer(Some("b"), true),
+            answer(Some("b"), true),
+        ];
+        let outcome = settle(&gone, 3, &keys);
+        assert!(matches!(outcome, ForcedRelease::Removed(_)), "{outcome:?}");
+        assert_eq!(holders(&outcome), ["a", "b"]);
+        // Removed where it was; one master that never had it counts as gone.
+        let most = [answer(None, false), answer(Some("a"), true)];
+        assert_eq!(holders(&settle(&most, 3, &keys)), ["a"]);
     }
 
     #[test]

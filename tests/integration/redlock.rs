@@ -241,12 +241,8 @@ async fn a_forced_release_answers_for_a_majority_of_masters() {
     let servers = support::redlock_masters(3);
     let locks = redlock(&servers).await;
     let forcing = redlock(&servers).await;
-    let held = locks
-        .lock("stuck")
-        .ttl(Duration::from_secs(30))
-        .acquire()
-        .await
-        .unwrap();
+    let take = || locks.lock("stuck").ttl(Duration::from_secs(30)).acquire();
+    let held = take().await.unwrap();
     servers[0].pause().unwrap();
     let removed = forcing.force_release("stuck").await;
     servers[0].resume().unwrap();
@@ -254,12 +250,7 @@ async fn a_forced_release_answers_for_a_majority_of_masters() {
     assert_eq!(removed.holders[0].token, held.token());
     assert!(matches!(held.release().await, Err(LockError::Lost { .. })));
 
-    let held = locks
-        .lock("stuck")
-        .ttl(Duration::from_secs(30))
-        .acquire()
-        .await
-        .unwrap();
+    let held = take().await.unwrap();
     servers[0].pause().unwrap();
     servers[1].pause().unwrap();
     let started = Instant::now();

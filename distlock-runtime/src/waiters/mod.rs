@@ -188,6 +188,15 @@ impl SittingOut {
         }
     }
 
+    /// The sit-out a release starts as it chooses to yield, for one other process's turns
+    /// until its answer says how many others heard it.
+    fn provisional(turn: Duration, now: Instant) -> Self {
+        Self {
+            provisional: true,
+            ..Self::new(1, turn, now)
+        }
+    }
+
     /// Another process, tagged `by`, released the lock at `now`: whether every other
     /// process has had its turn (the sit-out is over). Only a plain lock's release carries
     /// its process's tag, and only those take part in runs of hand-offs; a message without
@@ -505,9 +514,7 @@ impl Waiters {
                     head.offer = offer;
                 }
                 let turn = turn_of(passable.is_some(), bounds, lease);
-                let mut sitting = SittingOut::new(1, turn, Instant::now());
-                sitting.provisional = true;
-                queue.sitting_out = Some(sitting);
+                queue.sitting_out = Some(SittingOut::provisional(turn, Instant::now()));
                 return Next::Yield;
             }
             (Choice::Release | Choice::HandOff | Choice::Pass, offer) => offer,
@@ -751,7 +758,7 @@ impl Ticket {
 
     /// Until when the local head lets other processes' releases pass (see
     /// [`Waiters::yielded`]) before it asks: the end of the sit-out, or the look it takes
-    /// once a turn has gone by unused; `None` when it may ask now.
+    /// once two turns have gone by unused; `None` when it may ask now.
     pub(crate) fn sitting_out(&self) -> Option<Instant> {
         let mut queue = self.key.lock_queue();
         let now = Instant::now();
@@ -877,8 +884,7 @@ mod tests {
         assert!(sitting.heard(b"d", now + TURN));
         // Made at the yield, before the count is known: what it hears is kept, and ends
         // nothing until the count comes.
-        let mut early = SittingOut::new(1, TURN, now);
-        early.provisional = true;
+        let mut early = SittingOut::provisional(TURN, now);
         assert!(!early.heard(b"b", now));
         assert!(!early.heard(b"c", now));
         assert_eq!(early.heard.len(), 2);
