@@ -207,6 +207,10 @@ impl LockManager {
 /// from a majority; `Changed`, with what holds it, where a node kept it (its holders were not
 /// the ones expected) and it is not gone from a majority; `Free` when no node had it.
 fn settle(answered: &[Snapshot], masters: usize, keys: &Keys) -> ForcedRelease {
+    debug_assert!(
+        answered.len() * 2 > masters,
+        "settled without a majority's answers"
+    );
     let removed: Vec<LockInfo> = (answered.iter())
         .filter(|snapshot| snapshot.removed)
         .filter_map(|snapshot| snapshot.describe(keys))
