@@ -62,10 +62,25 @@ pub(crate) struct Held {
 }
 
 impl Held {
-    /// One more guard on this hold, keeping the key until `keep_until` at least.
-    pub(crate) fn enter(&self, keep_until: Option<Instant>) {
-        self.guards.fetch_add(1, Ordering::AcqRel);
-        self.keep(keep_until);
+    /// One more guard on this hold, keeping the key until `keep_until` at least: `false`
+    /// (and nothing changed) when the last guard has left, and the hold is being given back.
+    pub(crate) fn enter(&self, keep_until: Option<Instant>) -> bool {
+        let entered = self
+            .guards
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |guards| {
+                (guards > 0).then_some(guards + 1)
+            })
+            .is_ok();
+        if entered {
+            self.keep(keep_until);
+        }
+        entered
+    }
+
+    /// Whether a guard still holds this: after the last one left, its release is on its way
+    /// and nothing may nest in it.
+    pub(crate) fn is_held_here(&self) -> bool {
+        self.guards.load(Ordering::Acquire) > 0
     }
 
     /// Keeps the key until `until` at least once the last guard is released.
@@ -81,7 +96,7 @@ impl Held {
             Some(set) => set
                 .iter()
                 .filter_map(Weak::upgrade)
-                .filter(|held| held.guards.load(Ordering::Acquire) > 0)
+                .filter(|held| held.is_held_here())
                 .map(|held| held.ids.clone())
                 .collect(),
             None => vec![self.ids.clone()],
@@ -114,13 +129,15 @@ pub(crate) enum HoldKind {
 }
 
 /// The lock `lock` of the manager at `manager_addr` visible in the current frame, if any.
+/// A hold whose last guard has left is not: its release is on its way, and a request for
+/// the lock waits for it on the server as any other owner's would.
 pub(crate) fn find(manager_addr: usize, lock: &str) -> Option<Arc<Held>> {
     FRAME
         .try_with(|held| {
             held.borrow()
                 .iter()
                 .filter_map(Weak::upgrade)
-                .find(|h| h.manager_addr == manager_addr && h.ids.lock == lock)
+                .find(|h| h.manager_addr == manager_addr && h.ids.lock == lock && h.is_held_here())
         })
         .ok()
         .flatten()
@@ -134,7 +151,9 @@ pub(crate) fn count(manager_addr: usize, lock: &str) -> usize {
             held.borrow()
                 .iter()
                 .filter_map(Weak::upgrade)
-                .filter(|h| h.manager_addr == manager_addr && h.ids.lock == lock)
+                .filter(|h| {
+                    h.manager_addr == manager_addr && h.ids.lock == lock && h.is_held_here()
+                })
                 .count()
         })
         .unwrap_or(0)

@@ -97,6 +97,9 @@ pub(crate) struct Outcome<W> {
     /// The request waited in its manager's queue.
     pub(crate) queued: bool,
     pub(crate) ticket: Option<Ticket>,
+    /// Until when an attempt whose answer never came may still reach the server: the hold
+    /// won carries it, so that its last release is sent once more then.
+    pub(crate) late_until: Option<Instant>,
 }
 
 impl<W> Outcome<W> {
@@ -108,6 +111,7 @@ impl<W> Outcome<W> {
             started,
             queued: false,
             ticket: None,
+            late_until: None,
         }
     }
 }
@@ -469,6 +473,7 @@ impl<'a, A: Ask> Engine<'a, A> {
             started: self.started,
             queued: ticket.is_some(),
             ticket,
+            late_until: self.cover.late_until,
         }
     }
 
@@ -615,6 +620,8 @@ pub(crate) struct Cover<'a, A: Ask> {
     maybe_held: bool,
     /// An intent of this request may be in Redis (an answered attempt was refused).
     intent_left: bool,
+    /// Until when an attempt whose answer never came may still reach the server.
+    late_until: Option<Instant>,
 }
 
 impl<'a, A: Ask> Cover<'a, A> {
@@ -625,6 +632,7 @@ impl<'a, A: Ask> Cover<'a, A> {
             ask,
             maybe_held: false,
             intent_left: false,
+            late_until: None,
         }
     }
 
@@ -638,8 +646,13 @@ impl<'a, A: Ask> Cover<'a, A> {
         let sent = Instant::now();
         self.maybe_held = true;
         let answer = self.ask.send(self.inner).await?;
-        if answer.is_ok() {
-            self.inner.waiters.attempted();
+        match &answer {
+            Ok(_) => self.inner.waiters.attempted(),
+            // It may still land, as late as the kernel retransmits it.
+            Err(_) => {
+                let late = crate::lease::saturating_add(sent, self.inner.backend.late_delivery());
+                self.late_until = self.late_until.max(Some(late));
+            }
         }
         self.answered(&answer);
         Ok(Attempted { sent, answer })

@@ -228,9 +228,14 @@ impl LockGuard {
             .manager
             .inner
             .exec(move |backend| async move {
-                backend
-                    .holds(&hold.lock, hold.share.as_deref(), &hold.token)
-                    .await
+                match hold.plain {
+                    true => backend.holds_plain(&hold).await,
+                    false => {
+                        backend
+                            .holds(&hold.lock, hold.share.as_deref(), &hold.token)
+                            .await
+                    }
+                }
             })
             .await?
             .map_err(|e| LockError::redis(self.key(), e))
@@ -380,6 +385,7 @@ impl LockGuard {
     ) -> Result<(), LockError> {
         let inner = &self.parts.manager.inner;
         self.end_run();
+        inner.releaser().after_release(&self.parts.held.ids);
         loop {
             let ids = self.ids();
             let keep = keep_from(keep_until);
@@ -424,6 +430,7 @@ impl LockGuard {
     async fn release_fair(&self) -> Result<(), LockError> {
         let inner = &self.parts.manager.inner;
         let ids = self.ids();
+        inner.releaser().after_release(&ids);
         let mut retried = false;
         loop {
             let sent = Instant::now();
@@ -467,6 +474,7 @@ impl LockGuard {
             move |backend: crate::backend::Backend| async move { backend.release_plain(&ids).await }
         };
         self.end_run();
+        inner.releaser().after_release(&ids);
         let answer = inner.exec(release).await?;
         self.run_ended(answer.as_ref().map(Option::is_some).map_err(Clone::clone));
         match answer {
@@ -537,8 +545,11 @@ impl LockGuard {
             handed,
             ..
         } = offer;
+        // The waiter's own attempts were all answered, or its cover gives back what they
+        // may hold: nothing late of this token is this release's to cover.
         let next = Arc::new(HoldIds {
             token,
+            late_until: None,
             ..(*ids).clone()
         });
         let sent = Instant::now();
@@ -549,6 +560,7 @@ impl LockGuard {
             }
         };
         self.end_run();
+        inner.releaser().after_release(&ids);
         let answer = inner.exec(swap).await?;
         match &answer {
             // The release sent next settles the run.

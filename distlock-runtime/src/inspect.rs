@@ -195,6 +195,11 @@ impl LockManager {
             return Err(LockError::redis(name, error));
         }
         let mut outcome = settle(&answered, masters, &keys);
+        if let ForcedRelease::Removed(_) = outcome {
+            // This manager's own waiters look at once (others hear the script's wake-up),
+            // even those queued behind a holder of this manager that the removal robbed.
+            self.inner.waiters.released(&wake);
+        }
         if let ForcedRelease::Removed(info) | ForcedRelease::Changed(info) = &mut outcome {
             name_holders(self, &mut info.holders).await;
         }

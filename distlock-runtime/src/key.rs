@@ -78,6 +78,12 @@ pub(crate) fn queue_key(lock: &str) -> String {
     companion(lock, QUEUE)
 }
 
+/// The timer of a `min_hold` window asked for by a hold nested in another (a string with a
+/// PTTL), which the last release of the lock keeps the key for.
+pub(crate) fn min_hold_timer_key(lock: &str) -> String {
+    companion(lock, MIN_HOLD_TIMER)
+}
+
 /// The leases of a fair lock's queue entries (a sorted set by end time).
 pub(crate) fn queue_leases_key(lock: &str) -> String {
     companion(lock, QUEUE_LEASES)

@@ -45,7 +45,7 @@ async fn acquire_one(request: LockRequest<'_>) -> Result<LockGuard, LockError> {
         ask(manager, plan)
     };
     let result = match asking {
-        Ok(Asking::Nested(guard)) => Ok(*guard),
+        Ok(Asking::Nested(plan, held)) => nest(manager, *plan, held).instrument(span).await,
         Ok(Asking::Server(asking)) => {
             let taking = async {
                 let result = take(manager, asking).await;
@@ -77,8 +77,8 @@ async fn acquire_one(request: LockRequest<'_>) -> Result<LockGuard, LockError> {
 
 /// What a request for one lock asks of the server, once the task's own holds are looked at.
 enum Asking {
-    /// Nothing: the task already owns the lock, and this is a nested hold of it.
-    Nested(Box<LockGuard>),
+    /// The task already owns the lock, and this is a nested hold of it.
+    Nested(Box<Plan<Keys>>, Arc<Held>),
     /// The lock.
     Server(Box<Server>),
 }
@@ -94,8 +94,8 @@ struct Server {
 /// Looks at the task's own holds, then shapes what the attempts send.
 fn ask(manager: &LockManager, mut plan: Plan<Keys>) -> Result<Asking, LockError> {
     if let Some(held) = outer_hold(manager, plan.kind, &plan)? {
-        // The task already owns the lock: counted here, no round trip.
-        return Ok(Asking::Nested(Box::new(nested(manager, plan, held))));
+        // The task already owns the lock: counted here, checked on the server.
+        return Ok(Asking::Nested(Box::new(plan), held));
     }
     let manager_id = manager.inner.waiters.manager_id();
     let token = new_token(manager_id);
@@ -261,6 +261,7 @@ fn granted(
         started,
         queued,
         ticket,
+        late_until,
     } = outcome;
     let (sent, fence, local) = match won {
         Won::Asked { won, sent } => (sent, won, None),
@@ -280,7 +281,10 @@ fn granted(
         Some(local) => Origin::Passed(local),
         // The request's own strings become the hold's: no copy once its attempts are done.
         None => Origin::Server {
-            ids: Arc::new(Arc::unwrap_or_clone(request).into_hold_ids()),
+            ids: Arc::new(HoldIds {
+                late_until,
+                ..Arc::unwrap_or_clone(request).into_hold_ids()
+            }),
             fence,
         },
     };
@@ -339,13 +343,45 @@ fn grant(
     build(manager, plan, fence, lease, acquired, renewal, held)
 }
 
-/// The guard of a nested hold of `held`, which this code already owns: it shares the outer
-/// hold's token, lease, share and fencing token, and asks nothing of Redis. Its `min_hold`
-/// is kept when the last hold is released; with `watchdog`, it renews the shared lease too.
-/// Not recorded: the outer hold is already visible where it is taken.
-pub(crate) fn nested(manager: &LockManager, plan: Plan<Keys>, held: Arc<Held>) -> LockGuard {
+/// A nested hold of `held`, which this code already owns, once the server confirms that the
+/// outer hold's token still holds the lock (one round trip): a nested acquire never answers
+/// `Ok` for a hold that is lost, stolen or being given back. Refused with
+/// [`LockError::Lost`] when the outer hold is known lost, when its last guard has left (its
+/// release is on its way), or when the server no longer has it (the shared lease is then
+/// marked lost, which every guard of the hold sees).
+pub(crate) async fn nest(
+    manager: &LockManager,
+    plan: Plan<Keys>,
+    held: Arc<Held>,
+) -> Result<LockGuard, LockError> {
+    let lost = |key: &str| LockError::Lost {
+        key: key.to_owned(),
+    };
+    if held.lease.is_lost() {
+        held.lease.mark_lost();
+        return Err(lost(&plan.keys.name));
+    }
+    let key = plan.keys.name.clone();
+    let Some(guard) = nested(manager, plan, held) else {
+        return Err(lost(&key));
+    };
+    // Dropped, the nested guard only counts itself off: the outer hold keeps the lock.
+    if !guard.is_held().await? {
+        guard.held().lease.mark_lost();
+        return Err(lost(&key));
+    }
+    Ok(guard)
+}
+
+/// The guard of a nested hold of `held`: it shares the outer hold's token, lease, share and
+/// fencing token, counted here. Its `min_hold` is kept when the last hold is released; with
+/// `watchdog`, it renews the shared lease too. Not recorded: the outer hold is already
+/// visible where it is taken. `None` when the last guard of `held` left meanwhile.
+fn nested(manager: &LockManager, plan: Plan<Keys>, held: Arc<Held>) -> Option<LockGuard> {
     let sent = Instant::now();
-    held.enter(keep_until(sent, plan.options.min_hold));
+    if !held.enter(keep_until(sent, plan.options.min_hold)) {
+        return None;
+    }
     let lease = held.lease.clone();
     // Inside a set's lock, the lease is the set's: renewed for all of its locks or none.
     let holds = match held.set.get() {
@@ -363,7 +399,7 @@ pub(crate) fn nested(manager: &LockManager, plan: Plan<Keys>, held: Arc<Held>) -
         sent,
     };
     let fence = plan.options.fencing.then_some(held.fence);
-    build(manager, plan, fence, lease, acquired, renewal, held)
+    Some(build(manager, plan, fence, lease, acquired, renewal, held))
 }
 
 /// The watchdog's renewal of `lease` (set at `set`), when the request asked for one.

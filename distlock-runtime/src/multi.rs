@@ -19,7 +19,7 @@ use crate::engine::{Ask, Engine, Won};
 use crate::guard::Acquired;
 use crate::holds::Live;
 use crate::key::Keys;
-use crate::lease::{LeaseState, check_ttl};
+use crate::lease::{LeaseState, check_ttl, keep_from};
 use crate::lock::{self, new_token};
 use crate::manager::{Inner, LockManager};
 use crate::release::{self, Resend, Unanswered};
@@ -84,7 +84,7 @@ async fn take_set(manager: &LockManager, plan: Plan<Vec<Keys>>) -> Result<MultiG
                 fresh.push(keys.clone());
                 continue;
             }
-            Ok(Some(held)) => Ok(lock::nested(manager, one, held)),
+            Ok(Some(held)) => lock::nest(manager, one, held).await,
             Err(error) => Err(error),
         };
         crate::metrics::acquire_ended(labels, timer, &taken);
@@ -97,6 +97,7 @@ async fn take_set(manager: &LockManager, plan: Plan<Vec<Keys>>) -> Result<MultiG
                 lock: k.lock.clone(),
                 fence: k.fence(),
                 wake: k.wake(),
+                keep: Duration::ZERO,
             })
             .collect(),
         token: new_token(inner.waiters.manager_id()),
@@ -315,6 +316,7 @@ fn hold_ids(key: &SetKey, token: &str) -> HoldIds {
         share: None,
         plain: false,
         fair: None,
+        late_until: None,
     }
 }
 
@@ -551,7 +553,8 @@ impl MultiGuard {
     }
 
     /// The part of the set whose last hold this guard is (every lock, unless code inside the
-    /// set re-entered some and still holds them), counted off each lock's holds.
+    /// set re-entered some and still holds them), counted off each lock's holds; each lock
+    /// keeps the `min_hold` a hold nested in it asked for.
     fn last_holds(&self) -> (SetRequest, Vec<Keys>) {
         let mut request = SetRequest {
             keys: Vec::with_capacity(self.request.keys.len()),
@@ -560,7 +563,10 @@ impl MultiGuard {
         let mut fresh = Vec::with_capacity(self.fresh.len());
         for ((key, keys), held) in self.request.keys.iter().zip(&self.fresh).zip(&self.held) {
             if held.leave() {
-                request.keys.push(key.clone());
+                request.keys.push(SetKey {
+                    keep: keep_from(held.keep_until()),
+                    ..key.clone()
+                });
                 fresh.push(keys.clone());
             }
         }

@@ -248,6 +248,7 @@ impl Release<'_> {
     pub(crate) fn call(&self) -> ScriptInvocation<'static> {
         let mut call = RELEASE.key(self.lock);
         call.key(self.wake)
+            .key(crate::key::min_hold_timer_key(self.lock))
             .arg(self.token)
             .arg(self.hold)
             .arg(whole_millis(self.keep));
@@ -478,16 +479,20 @@ pub(crate) fn multi_acquire<'a>(
     call
 }
 
-/// A call of `multi_release.lua`: every `(lock, wake)` of a set.
+/// A call of `multi_release.lua`: every `(lock, wake, keep)` of a set (`keep`: how much
+/// longer that key must live, for a `min_hold` of a hold nested in the set's).
 pub(crate) fn multi_release<'a>(
-    keys: impl IntoIterator<Item = (&'a str, &'a str)>,
+    keys: impl IntoIterator<Item = (&'a str, &'a str, Duration)>,
     token: &str,
 ) -> ScriptInvocation<'static> {
     let mut call = MULTI_RELEASE.prepare_invoke();
-    for (lock, wake) in keys {
-        call.key(lock).key(wake);
-    }
     call.arg(token);
+    for (lock, wake, keep) in keys {
+        call.key(lock)
+            .key(crate::key::min_hold_timer_key(lock))
+            .key(wake);
+        call.arg(whole_millis(keep));
+    }
     call
 }
 

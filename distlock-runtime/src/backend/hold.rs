@@ -1,7 +1,7 @@
 //! What one operation on a lock names and sends: the hold's identity, the shape of an
 //! acquire attempt and its answer, a fair lock's queue, a renewal.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::RedisResult;
 
@@ -43,6 +43,11 @@ pub(crate) struct HoldIds {
     pub(crate) plain: bool,
     /// A fair lock's queue, whose head a release grants the lock to.
     pub(crate) fair: Option<FairQueue>,
+    /// Until when an attempt of this token whose answer never came may still reach the
+    /// server (see `Backend::late_delivery`): such an attempt, landing after the release,
+    /// would take the lock again for nobody, so a release sent before then is sent once
+    /// more then. `None` when every attempt was answered.
+    pub(crate) late_until: Option<Instant>,
 }
 
 /// A fair lock's queue keys, and the entry one owner waits (or waited) in it under.
@@ -169,6 +174,7 @@ impl AcquireRequest {
             share,
             plain,
             fair,
+            late_until: None,
         }
     }
 

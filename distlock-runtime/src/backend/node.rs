@@ -507,6 +507,7 @@ impl Node {
             share,
             plain,
             fair,
+            ..
         } = ids;
         if fair.is_some() {
             return Ok(Box::pin(self.release_fair(ids)).await? != FairRelease::NotHeld);

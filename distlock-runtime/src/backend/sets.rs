@@ -12,12 +12,14 @@ use super::pool::bounded;
 use super::redlock::{RedLock, if_eligible, node_limit, sooner};
 use crate::scripts;
 
-/// One lock of a set: its key, fencing counter and wake channel.
+/// One lock of a set: its key, fencing counter and wake channel, and, in a release, how
+/// much longer the key must live (a `min_hold` of a hold nested in the set's; zero otherwise).
 #[derive(Debug, Clone)]
 pub(crate) struct SetKey {
     pub(crate) lock: String,
     pub(crate) fence: String,
     pub(crate) wake: String,
+    pub(crate) keep: Duration,
 }
 
 /// Everything one attempt at a set sends. Every lock of the set is written as a first
@@ -140,7 +142,7 @@ impl Node {
         let call = scripts::multi_release(
             req.keys
                 .iter()
-                .map(|key| (key.lock.as_str(), key.wake.as_str())),
+                .map(|key| (key.lock.as_str(), key.wake.as_str(), key.keep)),
             &req.token,
         );
         let released: Vec<i64> = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;

@@ -2,20 +2,22 @@
 -- caller still owns the lock.
 --
 -- lock   the lock hash
--- wake   the lock's wake channel (same hash tag): told when the lock becomes free
+-- window the timer of a min_hold window asked for by a nested hold (`<lock>:mh`, same hash
+--        tag; declared by the caller)
+-- wake   the lock's wake channel (same hash tag): told when the lock becomes free, and when
+--        it is left as the min_hold marker, so that waiters learn the marker's PTTL
 -- token  owner token
 -- hold   hold id
 -- keep   milliseconds the key must still live after this hold ends (min_hold); 0 deletes it
 --        at once when this is the last hold (unless an earlier hold of the owner asked for a
---        min_hold, noted in the "min_hold" field and timed by the key <lock>:mh)
+--        min_hold, noted in the "min_hold" field and timed by `window`)
 --
 -- Returns 1 when the hold was given back (the last hold deletes the lock, or leaves it to
 -- expire after `keep` ms with no owner), 0 when the caller did not hold the lock (its lease
 -- expired, or another owner holds the key now: that lock is left alone).
 -- Idempotent per hold id: a resent release of a hold already given back, while the owner
 -- still holds the lock through other holds, succeeds without counting twice.
-local function release_hold(lock, wake, token, hold, keep)
-  local window = lock .. ':mh'
+local function release_hold(lock, window, wake, token, hold, keep)
 
   -- Only this owner's own exclusive or write lock is touched; a key that is not a hash was
   -- not written by these scripts.
@@ -69,6 +71,8 @@ local function release_hold(lock, wake, token, hold, keep)
     redis.call('del', lock)
     redis.call('hset', lock, 'mode', 'min_hold')
     redis.call('pexpire', lock, keep)
+    -- Waiters elsewhere look once more, learn when the marker ends, and take the lock then.
+    redis.call('publish', wake, '')
   else
     redis.call('del', lock)
     redis.call('publish', wake, '')

@@ -3,7 +3,8 @@
 -- that instead when nothing has to stay behind.
 --
 -- KEYS[1]  the lock
--- KEYS[2]  the lock's wake channel (same hash tag): told when the lock becomes free
+-- KEYS[2]  the lock's wake channel (same hash tag): told when the lock becomes free, or
+--          left as the min_hold marker
 -- ARGV[1]  owner token
 -- ARGV[2]  milliseconds the key must still live (min_hold of a hold taken inside); "0"
 --          deletes it
@@ -24,6 +25,8 @@ if keep > 0 then
   -- The ownerless min_hold marker, as release.lua leaves it.
   redis.call('hset', KEYS[1], 'mode', 'min_hold')
   redis.call('pexpire', KEYS[1], keep)
+  -- Waiters look once more, learn when the marker ends, and take the lock then.
+  redis.call('publish', KEYS[2], ARGV[3])
   return 1
 end
 return 1 + redis.call('publish', KEYS[2], ARGV[3])

@@ -34,6 +34,11 @@ impl Shared {
             }
             if message != self.manager_id.as_bytes() {
                 let mut queue = key.lock_queue();
+                // Not this manager's own release: whoever it was (another process, an
+                // operator's forced release, a writer's intent taken back), the lock may not
+                // be held here any more, and the head asks the server instead of waiting for
+                // a release of this manager's that may never come.
+                queue.held_here = None;
                 if let Some(sitting) = &mut queue.sitting_out
                     && sitting.heard(message, Instant::now())
                 {

@@ -136,6 +136,29 @@ impl Releaser {
         });
     }
 
+    /// What every release of `ids` owes once it was sent, whatever its path: when an attempt
+    /// of that token whose answer never came may still reach the server (see
+    /// [`HoldIds::late_until`]), the release is sent once more then, from the manager's
+    /// runtime, so that such an attempt landing after the release cannot keep the lock for
+    /// nobody. A release of a hold already given back changes nothing.
+    pub(crate) fn after_release(&self, ids: &Arc<HoldIds>) {
+        let Some(until) = ids.late_until.filter(|until| *until > Instant::now()) else {
+            return;
+        };
+        let (releaser, ids) = (self.clone(), ids.clone());
+        self.driver.spawn(async move {
+            tokio::time::sleep_until(until.into()).await;
+            match releaser.backend.release(&ids, Duration::ZERO).await {
+                Ok(true) => {
+                    releaser.waiters.released(&ids.wake);
+                    tracing::debug!(lock = %ids.lock, "a late attempt's grant was given back");
+                }
+                Ok(false) => {}
+                Err(error) => tracing::debug!(%error, "the release behind a late attempt failed"),
+            }
+        });
+    }
+
     /// Sends the release of a whole set from the manager's own runtime, as
     /// [`in_background`](Self::in_background) does for one hold.
     pub(crate) fn set_in_background(&self, request: SetRequest) {
@@ -177,6 +200,7 @@ impl Releaser {
         ids: &Arc<HoldIds>,
         keep_until: Option<Instant>,
     ) -> redis::RedisResult<bool> {
+        self.after_release(ids);
         let answer = if ids.fair.is_some() {
             let sent = Instant::now();
             self.backend
@@ -231,6 +255,7 @@ impl Releaser {
         let next = Arc::new(HoldIds {
             token: offer.token,
             fair,
+            late_until: None,
             ..ids.clone()
         });
         self.waiters.handed_off();
