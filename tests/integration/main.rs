@@ -45,6 +45,7 @@ mod nesting;
 mod partitions;
 mod redlock;
 mod replication;
+mod seams;
 mod secrets;
 mod sentinel;
 mod shared;

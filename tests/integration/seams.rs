@@ -1,0 +1,243 @@
+//! Where two features meet: a nested acquire inside a hold that was lost, `min_hold` inside a
+//! set, wake-ups after a `min_hold` marker or a forced release. Each as a user would trip
+//! over it, on a real server.
+
+use std::time::{Duration, Instant};
+
+use distlock::testing::RedisServer;
+use distlock::{LockError, LockManager, distributed_lock};
+
+use crate::support::{keys, manager, shared_server, unique_prefix};
+
+/// Removes `key` under `prefix` behind distlock's back, as an operator or an eviction would.
+fn delete(server: &RedisServer, prefix: &str, key: &str) {
+    server
+        .command(&["DEL", &format!("{prefix}{{{key}}}")])
+        .expect("DEL");
+}
+
+#[tokio::test]
+async fn a_nested_acquire_inside_a_lost_hold_is_refused() {
+    let server = shared_server();
+    let prefix = unique_prefix("seams-nested-lost");
+    let (a, b) = (
+        manager(&server, &prefix).await,
+        manager(&server, &prefix).await,
+    );
+    distlock::scope(async {
+        let outer = a.lock("k").reentrant(true).acquire().await.unwrap();
+        // The lock is taken from under the holder, and another manager takes it.
+        delete(&server, &prefix, "k");
+        let thief = b.lock("k").acquire().await.unwrap();
+        let nested = a.lock("k").reentrant(true).acquire().await;
+        assert!(
+            matches!(nested, Err(LockError::Lost { .. })),
+            "a nested acquire of a stolen hold: {nested:?}"
+        );
+        // The refusal marked the hold lost: every guard of it sees that.
+        assert!(outer.is_lost());
+        let set = a.lock_all(["k", "j"]).reentrant(true).acquire().await;
+        assert!(
+            matches!(set, Err(LockError::Lost { .. })),
+            "a set nesting a stolen hold: {:?}",
+            set.as_ref().map(|_| ())
+        );
+        assert!(matches!(outer.release().await, Err(LockError::Lost { .. })));
+        assert!(thief.is_held().await.unwrap(), "the thief keeps its lock");
+        thief.release().await.unwrap();
+    })
+    .await;
+}
+
+#[distributed_lock(key = "k", reentrant, manager = locks)]
+async fn nested_call(locks: &LockManager) -> Result<(), LockError> {
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_annotated_reentrant_call_inside_a_lost_hold_does_not_run() {
+    let server = shared_server();
+    let prefix = unique_prefix("seams-annotated-lost");
+    let (a, b) = (
+        manager(&server, &prefix).await,
+        manager(&server, &prefix).await,
+    );
+    distlock::scope(async {
+        let outer = a.lock("k").reentrant(true).acquire().await.unwrap();
+        delete(&server, &prefix, "k");
+        let thief = b.lock("k").acquire().await.unwrap();
+        let ran = nested_call(&a).await;
+        assert!(matches!(ran, Err(LockError::Lost { .. })), "{ran:?}");
+        drop(outer);
+        thief.release().await.unwrap();
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_nested_acquire_during_the_last_release_waits_for_it() {
+    let server = shared_server();
+    let prefix = unique_prefix("seams-nested-releasing");
+    let locks = manager(&server, &prefix).await;
+    let outer = locks.lock("k").reentrant(true).acquire().await.unwrap();
+    // The release is on its way while a sibling of the same frame asks again.
+    let (released, nested) = tokio::join!(outer.release(), async {
+        locks
+            .lock("k")
+            .reentrant(true)
+            .wait(Duration::from_secs(5))
+            .acquire()
+            .await
+    });
+    released.unwrap();
+    let nested = nested.unwrap();
+    // A fresh owner: it holds the lock on the server, under a token of its own.
+    assert!(nested.is_held().await.unwrap());
+    nested.release().await.unwrap();
+    assert!(keys(&server, &prefix).is_empty());
+}
+
+/// Waits until `locks` takes `key`, with `wait`: when it got it, from `from`.
+async fn taken_after(locks: &LockManager, key: &str, from: Instant) -> Duration {
+    let guard = locks
+        .lock(key)
+        .wait(Duration::from_secs(8))
+        .retry_delay(Duration::from_millis(2))
+        .acquire()
+        .await
+        .unwrap();
+    let after = from.elapsed();
+    guard.release().await.unwrap();
+    after
+}
+
+#[tokio::test]
+async fn a_min_hold_nested_in_a_set_is_kept_when_the_set_is_released_or_dropped() {
+    let server = shared_server();
+    let prefix = unique_prefix("seams-set-min-hold");
+    let (a, b) = (
+        manager(&server, &prefix).await,
+        manager(&server, &prefix).await,
+    );
+    for drop_it in [false, true] {
+        let started = Instant::now();
+        let set = distlock::scope(async {
+            let set = a
+                .lock_all(["k", "j"])
+                .reentrant(true)
+                .acquire()
+                .await
+                .unwrap();
+            let inner = a
+                .lock("k")
+                .reentrant(true)
+                .min_hold(Duration::from_millis(800))
+                .acquire()
+                .await
+                .unwrap();
+            inner.release().await.unwrap();
+            set
+        })
+        .await;
+        if drop_it {
+            drop(set);
+        } else {
+            set.release().await.unwrap();
+        }
+        let k = taken_after(&b, "k", started).await;
+        assert!(
+            k >= Duration::from_millis(800),
+            "k free {k:?} after a nested min_hold of 800 ms (dropped: {drop_it})"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_release_that_leaves_a_min_hold_marker_wakes_waiters_elsewhere() {
+    let server = shared_server();
+    let prefix = unique_prefix("seams-marker-wakes");
+    let (a, b) = (
+        manager(&server, &prefix).await,
+        manager(&server, &prefix).await,
+    );
+    for plain in [true, false] {
+        let started = Instant::now();
+        let holder = a
+            .lock("k")
+            .ttl(Duration::from_secs(10))
+            .min_hold(Duration::from_millis(300))
+            .fencing(!plain)
+            .acquire()
+            .await
+            .unwrap();
+        let waiter = tokio::spawn({
+            let b = b.clone();
+            async move { taken_after(&b, "k", started).await }
+        });
+        crate::support::until_waiting(&b, 1).await;
+        holder.release().await.unwrap();
+        let taken = waiter.await.unwrap();
+        // Free at 300 ms: taken then, not at the 10 s lease's end.
+        assert!(
+            taken >= Duration::from_millis(300) && taken < Duration::from_secs(3),
+            "taken {taken:?} after a 300 ms min_hold (plain: {plain})"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_waiter_behind_its_own_managers_holder_takes_a_force_released_lock() {
+    let server = shared_server();
+    let prefix = unique_prefix("seams-forced-here");
+    let (a, operator) = (
+        manager(&server, &prefix).await,
+        manager(&server, &prefix).await,
+    );
+    // The holder got the key by a hand-off from a release of the same manager.
+    let first = a
+        .lock("k")
+        .ttl(Duration::from_secs(20))
+        .acquire()
+        .await
+        .unwrap();
+    let second = tokio::spawn({
+        let a = a.clone();
+        async move {
+            a.lock("k")
+                .ttl(Duration::from_secs(20))
+                .wait(Duration::from_secs(10))
+                .acquire()
+                .await
+        }
+    });
+    crate::support::until_waiting(&a, 1).await;
+    first.release().await.unwrap();
+    let holder = second.await.unwrap().unwrap();
+    let waiter = tokio::spawn({
+        let a = a.clone();
+        async move {
+            let started = Instant::now();
+            let guard = a
+                .lock("k")
+                .wait(Duration::from_secs(10))
+                .acquire()
+                .await
+                .unwrap();
+            let waited = started.elapsed();
+            guard.release().await.unwrap();
+            waited
+        }
+    });
+    crate::support::until_waiting(&a, 1).await;
+    let removed = operator.force_release("k").await.unwrap();
+    assert_eq!(removed.unwrap().holders[0].token, holder.token());
+    let waited = waiter.await.unwrap();
+    assert!(
+        waited < Duration::from_secs(3),
+        "the waiter took the freed key after {waited:?}"
+    );
+    assert!(matches!(
+        holder.release().await,
+        Err(LockError::Lost { .. })
+    ));
+}
