@@ -261,21 +261,12 @@ impl Run {
 }
 
 /// The run's last release on its way from the manager's runtime (see
-/// [`Run::ending_guarded`]); [`settle`](Self::settle) it with that release's answer. Dropped
-/// unsettled (its runtime went away), it tells the releases still waiting that the server's
-/// answer is unknown.
+/// [`Run::ending_guarded`]), whose answer settles the run. Dropped before that (its runtime
+/// went away), it tells the releases still waiting that the server's answer is unknown;
+/// dropped after, it changes nothing (only the first answer counts).
 #[derive(Debug)]
 pub(crate) struct Ending {
     run: Option<Arc<Run>>,
-}
-
-impl Ending {
-    /// The run's last release answered (see [`Run::settle`]).
-    pub(crate) fn settle(mut self, answer: redis::RedisResult<bool>) {
-        if let Some(run) = self.run.take() {
-            run.settle(answer);
-        }
-    }
 }
 
 impl Drop for Ending {

@@ -19,13 +19,13 @@ use tokio::sync::oneshot;
 use crate::LockError;
 use crate::backend::AcquireAnswer;
 use crate::decide::{self, Bounds, Mode, State, Step};
+use crate::handed::Handed;
 use crate::key::Keys;
 use crate::manager::Inner;
 use crate::metrics::Labels;
 use crate::request::Plan;
 use crate::request::RequestKind;
 use crate::retry::Backoff;
-use crate::waiters::Handed;
 use crate::waiters::Ticket;
 
 /// What one attempt sends, and what the engine needs to know of it: one lock, or a set.

@@ -5,14 +5,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::LockError;
-use crate::backend::{FairRelease, HoldIds};
-use crate::cohort::{Checked, Run};
+use crate::backend::HoldIds;
 use crate::context::Held;
-use crate::holds::Live;
-use crate::lease::{LeaseState, check_ttl, keep_from};
-use crate::manager::{Inner, LockManager};
-use crate::release::{self, Resend, Unanswered};
-use crate::waiters::{Handed, LocalPass, Next, Offer, Passable};
+use crate::holds::{Listing, Live};
+use crate::lease::{LeaseState, check_ttl};
+use crate::manager::LockManager;
+use crate::release::{Resend, Unanswered};
 use crate::watchdog::Registration;
 
 /// How an acquisition went: attempts made and time spent before the lock was held.
@@ -52,32 +50,8 @@ pub(crate) struct Parts {
 /// then does nothing.
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct LockGuard {
-    parts: Parts,
-    hold: Hold,
-}
-
-/// What a release did in this process, before the server.
-enum Locally {
-    /// The lock went to a waiter of this manager, or to other processes' turns.
-    Done(Result<(), LockError>),
-    /// The lock was passed on within a cohort's run: the release answers once this check of
-    /// the run (or a later one) tells whether the server still had the hold after the pass.
-    Passed(Arc<Run>, u64),
-    /// A hand-off's answer was lost: the release on the server settles it.
-    Unsettled,
-    /// Nothing here: the release goes to the server.
-    NotHere,
-}
-
-/// Where a guard's hold stands with its manager.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Hold {
-    /// Listed with the manager under this id, so that shutdown can give it back.
-    Listed(u64),
-    /// Granted while the manager shut down: not listed, still to be given back.
-    Unlisted,
-    /// Given back, or handed to shutdown.
-    Done,
+    pub(crate) parts: Parts,
+    listing: Listing,
 }
 
 impl LockGuard {
@@ -87,11 +61,8 @@ impl LockGuard {
             keep_until: parts.held.keep_until(),
             lease: parts.lease.clone(),
         };
-        let hold = match parts.manager.inner.holds.list(live) {
-            Some(id) => Hold::Listed(id),
-            None => Hold::Unlisted,
-        };
-        Self { parts, hold }
+        let listing = parts.manager.inner.holds.list([live]);
+        Self { parts, listing }
     }
 
     /// Opens the hold's `lock.hold` span, under the caller's current span.
@@ -108,25 +79,18 @@ impl LockGuard {
 
     /// Whether the manager shut down before this guard could be listed with it.
     pub(crate) fn came_after_shutdown(&self) -> bool {
-        self.hold == Hold::Unlisted
+        self.listing == Listing::Unlisted
     }
 
     /// Whether [`LockManager::shutdown`] gave this hold back.
     fn given_back_by_shutdown(&self) -> bool {
-        match self.hold {
-            Hold::Listed(id) => !self.parts.manager.inner.holds.is_listed(id),
-            Hold::Unlisted | Hold::Done => false,
-        }
+        self.parts.manager.inner.holds.given_back(&self.listing)
     }
 
     /// Takes the hold off the manager's list: `true` when giving it back is up to the caller,
     /// `false` when it was already given back (by shutdown, or before).
     fn unlist(&mut self) -> bool {
-        match std::mem::replace(&mut self.hold, Hold::Done) {
-            Hold::Listed(id) => self.parts.manager.inner.holds.unlist(id),
-            Hold::Unlisted => true,
-            Hold::Done => false,
-        }
+        self.parts.manager.inner.holds.unlist(&mut self.listing)
     }
 
     /// The key as it was requested (without the manager's prefix).
@@ -310,346 +274,16 @@ impl LockGuard {
         let keep_until = self.parts.held.keep_until();
         // Sends the release again from the background if this future is dropped midway.
         let mut unanswered = Unanswered::armed(&self);
-        if self.parts.held.ids.fair.is_some() {
-            // Boxed, as the other paths off the plain one: their state stays out of this
-            // future, which the caller's task carries.
-            let outcome = Box::pin(self.release_fair()).await;
-            unanswered.answered();
-            return outcome;
-        }
-        let retried = match self.release_locally(keep_until).await? {
-            Locally::Done(outcome) => {
-                unanswered.answered();
-                return outcome;
-            }
-            Locally::Passed(run, check) => {
-                // The hold is the next holder's now: nothing of it is this guard's to send.
-                unanswered.answered();
-                return Box::pin(self.checked(&run, check)).await;
-            }
-            Locally::Unsettled => true,
-            Locally::NotHere => false,
-        };
-        let outcome = self.release_on_server(keep_until, retried).await;
+        let outcome = self.give_back(keep_until).await;
         unanswered.answered();
         outcome
     }
 
-    /// Gives a plain lock to a waiter of this manager, if one waits: passed as it is within
-    /// a cohort, or handed over in the release's own round trip; or lets other processes
-    /// have their turn after a run of hand-offs.
-    async fn release_locally(&self, keep_until: Option<Instant>) -> Result<Locally, LockError> {
-        let inner = &self.parts.manager.inner;
-        let held = &self.parts.held;
-        if !held.ids.plain || keep_until.is_some() || !inner.backend.capabilities().hand_off {
-            return Ok(Locally::NotHere);
-        }
-        // A run whose check found the hold gone (or could not tell) passes it no more.
-        let run = held.run.get();
-        let passable = (held.cohort && run.is_none_or(|run| run.passable())).then(|| Passable {
-            remaining: self.parts.lease.remaining(),
-            passes: held.passes,
-            run_began: run.map(|run| run.began()),
-        });
-        Ok(
-            match inner
-                .waiters
-                .next(&held.ids.wake, self.parts.lease.ttl(), passable)
-            {
-                Next::Release => Locally::NotHere,
-                Next::Pass(offer) => match self.pass(offer) {
-                    Ok((run, check)) => Locally::Passed(run, check),
-                    // The waiter left: this release goes to everyone.
-                    Err(()) => Locally::NotHere,
-                },
-                // Boxed, as the other paths off the plain one: their state stays out of
-                // this future, which the caller's task carries.
-                Next::Yield => Locally::Done(Box::pin(self.yield_to_others()).await),
-                Next::HandOff(offer) => match Box::pin(self.hand_off(offer)).await? {
-                    Some(outcome) => Locally::Done(outcome),
-                    // No answer: whether the owner changed is unknown. The release on the
-                    // server settles it (the waiter, told nothing, tries by itself
-                    // meanwhile).
-                    None => Locally::Unsettled,
-                },
-            },
-        )
-    }
-
-    /// Gives the lock back on the server, once more if the reply is lost; `retried`: a
-    /// release was sent already, so a lock found gone may have been given back by it.
-    async fn release_on_server(
-        &self,
-        keep_until: Option<Instant>,
-        mut retried: bool,
-    ) -> Result<(), LockError> {
-        let inner = &self.parts.manager.inner;
-        self.end_run();
-        inner.releaser().after_release(&self.parts.held.ids);
-        loop {
-            let ids = self.ids();
-            let keep = keep_from(keep_until);
-            let outcome = inner
-                .exec(move |backend| async move { backend.release(&ids, keep).await })
-                .await?;
-            let settled = match &outcome {
-                Ok(true) => Ok(true),
-                Ok(false) if !release::found_lost(retried, &self.parts.lease) => Ok(true),
-                Ok(false) => Ok(false),
-                Err(error) if release::send_again(error, retried) => {
-                    retried = true;
-                    continue;
-                }
-                Err(error) => Err(error.clone()),
-            };
-            self.run_ended(settled);
-            return match outcome {
-                Ok(true) => {
-                    inner.waiters.released(&self.parts.held.ids.wake);
-                    tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "released");
-                    Ok(())
-                }
-                // The first attempt may have released it before its reply was lost.
-                Ok(false) if !release::found_lost(retried, &self.parts.lease) => {
-                    inner.waiters.released(&self.parts.held.ids.wake);
-                    Ok(())
-                }
-                Ok(false) => {
-                    // Nobody of this manager holds it: the local head asks the server.
-                    inner.waiters.released(&self.parts.held.ids.wake);
-                    self.parts.lease.mark_lost();
-                    Err(self.lost_error())
-                }
-                Err(error) => Err(LockError::redis(self.key(), error)),
-            };
-        }
-    }
-
-    /// Gives back a fair lock: to the oldest waiter in its queue, if any, or to everyone. A
-    /// waiter of this manager gets the grant in-process, at once.
-    async fn release_fair(&self) -> Result<(), LockError> {
-        let inner = &self.parts.manager.inner;
-        let ids = self.ids();
-        inner.releaser().after_release(&ids);
-        let mut retried = false;
-        loop {
-            let sent = Instant::now();
-            let release = {
-                let ids = ids.clone();
-                move |backend: crate::backend::Backend| async move { backend.release_fair(&ids).await }
-            };
-            match inner.exec(release).await? {
-                Ok(FairRelease::Granted(next)) => {
-                    tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "granted to the next in line");
-                    inner.releaser().hand_fair(&ids, &next, sent);
-                    return Ok(());
-                }
-                Ok(FairRelease::Freed) => {
-                    inner.waiters.released(&ids.wake);
-                    tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "released");
-                    return Ok(());
-                }
-                Ok(FairRelease::NotHeld) if !release::found_lost(retried, &self.parts.lease) => {
-                    return Ok(());
-                }
-                Ok(FairRelease::NotHeld) => {
-                    self.parts.lease.mark_lost();
-                    return Err(self.lost_error());
-                }
-                Err(error) if release::send_again(&error, retried) => retried = true,
-                Err(error) => return Err(LockError::redis(self.key(), error)),
-            }
-        }
-    }
-
-    /// Gives back a plain lock at the end of a run of local hand-offs: the lock goes to every
-    /// process alike, and the local waiters sit out while other processes' waiters take
-    /// their turns.
-    async fn yield_to_others(&self) -> Result<(), LockError> {
-        let inner = &self.parts.manager.inner;
-        let ids = self.ids();
-        let lease = self.parts.lease.ttl();
-        let release = {
-            let ids = ids.clone();
-            move |backend: crate::backend::Backend| async move { backend.release_plain(&ids).await }
-        };
-        self.end_run();
-        inner.releaser().after_release(&ids);
-        let answer = inner.exec(release).await?;
-        self.run_ended(answer.as_ref().map(Option::is_some).map_err(Clone::clone));
-        match answer {
-            Ok(Some(heard)) => {
-                let cohort = self.parts.held.cohort;
-                inner.waiters.yielded(&ids.wake, heard, lease, cohort);
-                Ok(())
-            }
-            Ok(None) => {
-                inner.waiters.unyielded(&ids.wake);
-                self.parts.lease.mark_lost();
-                Err(self.lost_error())
-            }
-            Err(error) => {
-                inner.waiters.unyielded(&ids.wake);
-                // Sent again from the background: whether it arrived is unknown.
-                inner.releaser().in_background(ids, None);
-                Err(LockError::redis(self.key(), error))
-            }
-        }
-    }
-
-    /// Passes the lock to a local waiter's `offer` with no server command: the waiter takes
-    /// this server hold over as it is (token and lease), in the same run (this hold's, or one
-    /// that begins here). Answers the run and the number of the check, sent from now on, that
-    /// tells whether the server still had the hold; `Err` when the waiter has left: the lock
-    /// is still this guard's to release.
-    fn pass(&self, offer: Offer) -> Result<(Arc<Run>, u64), ()> {
-        let inner = &self.parts.manager.inner;
-        let ids = self.ids();
-        let run = match self.parts.held.run.get() {
-            Some(run) => run.clone(),
-            None => Run::new(
-                ids.clone(),
-                self.parts.lease.clone(),
-                inner.backend.clone(),
-                inner.driver.clone(),
-            ),
-        };
-        let local = LocalPass {
-            run: run.clone(),
-            passes: self.parts.held.passes.saturating_add(1),
-        };
-        let handed = Handed::new(Instant::now(), inner.releaser(), ids, Some(local));
-        match offer.handed.send(handed) {
-            Ok(()) => {
-                inner.waiters.passed();
-                let check = run.passed();
-                tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "passed locally");
-                Ok((run, check))
-            }
-            Err(mut handed) => {
-                handed.disarm();
-                Err(())
-            }
-        }
-    }
-
-    /// Passes the lock to a local waiter's `offer` in one round trip: the owner becomes the
-    /// waiter's token, with the waiter's lease, if this owner still holds it. `None` when the
-    /// answer was lost; otherwise the release's outcome.
-    async fn hand_off(&self, offer: Offer) -> Result<Option<Result<(), LockError>>, LockError> {
-        let inner = &self.parts.manager.inner;
-        let ids = self.ids();
-        let Offer {
-            token,
-            lease,
-            handed,
-            ..
-        } = offer;
-        // The waiter's own attempts were all answered, or its cover gives back what they
-        // may hold: nothing late of this token is this release's to cover.
-        let next = Arc::new(HoldIds {
-            token,
-            late_until: None,
-            ..(*ids).clone()
-        });
-        let sent = Instant::now();
-        let swap = {
-            let (ids, next) = (ids.clone(), next.clone());
-            move |backend: crate::backend::Backend| async move {
-                backend.hand_off(&ids, &next.token, lease).await
-            }
-        };
-        self.end_run();
-        inner.releaser().after_release(&ids);
-        let answer = inner.exec(swap).await?;
-        match &answer {
-            // The release sent next settles the run.
-            Err(error) if error.is_io_error() => {}
-            answer => self.run_ended(answer.clone()),
-        }
-        match answer {
-            Ok(true) => {
-                inner.waiters.handed_off();
-                tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "handed over");
-                let handed = handed.send(Handed::new(sent, inner.releaser(), next, None));
-                // The waiter gave up (or was cancelled) meanwhile: nobody takes the lock here,
-                // so this release gives it to everyone, with the wake-up, before it returns.
-                // One that gives up after this point drops the grant, which does the same from
-                // the background.
-                // The grant stays armed until the release has been answered: an error, or
-                // this future dropped midway, drops it armed, which releases from the
-                // manager's runtime.
-                if let Err(mut handed) = handed
-                    && let Some(next) = handed.unclaimed()
-                {
-                    let release = {
-                        let next = next.clone();
-                        move |backend: crate::backend::Backend| async move {
-                            backend.release(&next, Duration::ZERO).await
-                        }
-                    };
-                    match inner.exec(release).await? {
-                        Ok(released) => {
-                            handed.disarm();
-                            if released {
-                                inner.waiters.released(&ids.wake);
-                            }
-                        }
-                        // Whether it arrived is unknown: the armed grant sends it again.
-                        Err(_) => drop(handed),
-                    }
-                }
-                Ok(Some(Ok(())))
-            }
-            // Not this owner's any more: the waiter, told nothing, tries by itself.
-            Ok(false) => {
-                self.parts.lease.mark_lost();
-                Ok(Some(Err(self.lost_error())))
-            }
-            Err(error) if error.is_io_error() => Ok(None),
-            Err(error) => Ok(Some(Err(LockError::redis(self.key(), error)))),
-        }
-    }
-
-    /// The run this hold came by, if it came by a local pass: its last release is about to
-    /// be sent (see [`Run::ending`]). Settled by [`run_ended`](Self::run_ended), or, when
-    /// this release is dropped before its answer, by the release sent again from the
-    /// manager's runtime (see [`Unanswered`]). Nothing of it is kept across the release's
-    /// awaits: every caller's release future would carry it.
-    fn end_run(&self) {
-        if let Some(run) = self.parts.held.run.get() {
-            run.ending();
-        }
-    }
-
-    /// The run's last release answered (see [`end_run`](Self::end_run)).
-    fn run_ended(&self, answer: redis::RedisResult<bool>) {
-        if let Some(run) = self.parts.held.run.get() {
-            run.settle(answer);
-        }
-    }
-
-    /// A release that passed the lock on within `run`: `Ok` once `check` (or a later check)
-    /// found the hold still the run's; [`LockError::Lost`] when it was gone.
-    async fn checked(&self, run: &Arc<Run>, check: u64) -> Result<(), LockError> {
-        match run.confirm(check, &self.parts.manager.inner.holds).await {
-            Checked::Held => Ok(()),
-            Checked::Stolen => {
-                self.parts.lease.mark_lost();
-                Err(LockError::Lost {
-                    key: self.parts.name.clone(),
-                })
-            }
-            Checked::Failed(error) => Err(LockError::redis(self.key(), error)),
-            Checked::ShutDown => Err(LockError::ShutDown),
-        }
-    }
-
-    fn ids(&self) -> Arc<HoldIds> {
+    pub(crate) fn ids(&self) -> Arc<HoldIds> {
         self.parts.held.ids.clone()
     }
 
-    fn lost_error(&self) -> LockError {
+    pub(crate) fn lost_error(&self) -> LockError {
         if self.given_back_by_shutdown() {
             return LockError::ShutDown;
         }
@@ -671,25 +305,15 @@ impl Drop for LockGuard {
         self.parts.span.end(shutdown, lost);
         self.parts.renewal = None;
         if self.unlist() && self.parts.held.leave() {
-            let keep_until = self.parts.held.keep_until();
-            let releaser = self.parts.manager.inner.releaser();
-            match self.parts.held.run.get() {
-                Some(run) => releaser.end_run_in_background(self.ids(), keep_until, run),
-                None => releaser.in_background(self.ids(), keep_until),
-            }
+            self.give_back_in_background(self.parts.held.keep_until());
         }
     }
 }
 
 impl Resend for LockGuard {
     fn resend(&self) {
-        let releaser = self.parts.manager.inner.releaser();
-        let (ids, keep_until) = (self.ids(), self.parts.held.keep_until());
-        match self.parts.held.run.get() {
-            // Its answer settles the run's checks.
-            Some(run) => releaser.end_run_in_background(ids, keep_until, run),
-            None => releaser.in_background(ids, keep_until),
-        }
+        // Its answer settles the run's checks.
+        self.give_back_in_background(self.parts.held.keep_until());
     }
 }
 
@@ -702,21 +326,5 @@ impl fmt::Debug for LockGuard {
             .field("remaining", &self.remaining())
             .field("watchdog", &self.parts.renewal.is_some())
             .finish_non_exhaustive()
-    }
-}
-
-/// Takes back the write intent `intent` of the writer `ids` (which gave up without the
-/// lock), if it is still that writer's, and wakes the readers it kept out.
-pub(crate) async fn withdraw_intent(inner: Arc<Inner>, ids: Arc<HoldIds>, intent: String) {
-    match inner
-        .backend
-        .withdraw_intent(&intent, &ids.wake, &ids.token)
-        .await
-    {
-        Ok(true) => inner.waiters.released(&ids.wake),
-        Ok(false) => {}
-        Err(error) => {
-            tracing::debug!(%error, "a write intent could not be taken back; it expires");
-        }
     }
 }

@@ -79,6 +79,7 @@ mod election;
 mod engine;
 mod error;
 mod guard;
+mod handed;
 mod holds;
 mod id_map;
 mod identity;

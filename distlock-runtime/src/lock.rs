@@ -13,12 +13,13 @@ use crate::backend::{AcquireAnswer, AcquireRequest, HoldIds, Shape};
 use crate::context::{self, Held, HoldKind};
 use crate::engine::{Ask, Attempted, Cover, Engine, Outcome, Won};
 use crate::guard::{Acquired, LockGuard, Parts};
+use crate::handed::LocalPass;
 use crate::key::Keys;
 use crate::lease::LeaseState;
 use crate::lease::keep_until;
 use crate::manager::{Inner, LockManager};
+use crate::release::{Known, OneHold};
 use crate::request::{LockRequest, Plan, RequestKind, Single, Target};
-use crate::waiters::LocalPass;
 use crate::watchdog::{Holds, Registration, Renewable};
 
 impl Target for Single {
@@ -507,11 +508,14 @@ impl Ask for Arc<AcquireRequest> {
         crate::engine::send_behind(inner, move || {
             let (inner, ids, intent) = (owner.clone(), ids.clone(), intent.clone());
             async move {
-                if inner.backend.release(&ids, Duration::ZERO).await? {
-                    inner.waiters.released(&ids.wake);
-                }
+                let given = OneHold::new(ids.clone(), None);
+                inner
+                    .releaser()
+                    .give_back(given, Known::default())
+                    .await
+                    .answer()?;
                 if let Some(intent) = intent {
-                    crate::guard::withdraw_intent(inner, ids, intent).await;
+                    withdraw_intent(inner, ids, intent).await;
                 }
                 Ok(())
             }
@@ -519,11 +523,14 @@ impl Ask for Arc<AcquireRequest> {
     }
 
     async fn give_back(&self, inner: &Inner) -> Option<bool> {
-        let ids = self.hold_ids();
-        let released = inner
-            .exec(move |backend| async move { backend.release(&ids, Duration::ZERO).await })
+        let (given, releaser) = (
+            OneHold::new(Arc::new(self.hold_ids()), None),
+            inner.releaser(),
+        );
+        let outcome = inner
+            .exec(move |_| releaser.give_back(given, Known::default()))
             .await;
-        released.ok()?.ok()
+        outcome.ok()?.answer().ok()
     }
 
     fn intent(&self) -> Option<&str> {
@@ -538,8 +545,24 @@ impl Ask for Arc<AcquireRequest> {
 
     fn withdraw_intent(&self, inner: &Arc<Inner>, intent: String) {
         let ids = Arc::new(self.hold_ids());
-        let withdraw = crate::guard::withdraw_intent(inner.clone(), ids, intent);
+        let withdraw = withdraw_intent(inner.clone(), ids, intent);
         inner.driver.spawn(withdraw);
+    }
+}
+
+/// Takes back the write intent `intent` of the writer `ids` (which gave up without the
+/// lock), if it is still that writer's, and wakes the readers it kept out.
+pub(crate) async fn withdraw_intent(inner: Arc<Inner>, ids: Arc<HoldIds>, intent: String) {
+    match inner
+        .backend
+        .withdraw_intent(&intent, &ids.wake, &ids.token)
+        .await
+    {
+        Ok(true) => inner.waiters.released(&ids.wake),
+        Ok(false) => {}
+        Err(error) => {
+            tracing::debug!(%error, "a write intent could not be taken back; it expires");
+        }
     }
 }
 

@@ -17,12 +17,12 @@ use crate::backend::{AcquireAnswer, HoldIds, SetKey, SetRequest};
 use crate::context::{Held, HoldKind};
 use crate::engine::{Ask, Engine, Won};
 use crate::guard::Acquired;
-use crate::holds::Live;
+use crate::holds::{Listing, Live};
 use crate::key::Keys;
 use crate::lease::{LeaseState, check_ttl, keep_from};
 use crate::lock::{self, new_token};
 use crate::manager::{Inner, LockManager};
-use crate::release::{self, Resend, Unanswered};
+use crate::release::{Known, Outcome, Resend, SetRelease, Unanswered};
 use crate::request::{KeySet, LockRequest, MultiLockRequest, Plan, RequestKind, Target};
 use crate::watchdog::{Holds, Registration};
 use crate::{LockError, LockGuard};
@@ -105,15 +105,21 @@ async fn take_set(manager: &LockManager, plan: Plan<Vec<Keys>>) -> Result<MultiG
         fencing: plan.options.fencing,
     };
     let started = Instant::now();
-    let (fences, sent, attempts, ticket) = if fresh.is_empty() {
-        (Vec::new(), started, 1, None)
+    let (fences, sent, attempts, ticket, late_until) = if fresh.is_empty() {
+        (Vec::new(), started, 1, None, None)
     } else {
         let engine = Engine::new(inner, &request, &plan, &fresh, started);
         let outcome = engine.wait(None, false).await?;
         let Won::Asked { won, sent } = outcome.won else {
             unreachable!("a set stands ready for no hand-off");
         };
-        (won, sent, outcome.attempts, outcome.ticket)
+        (
+            won,
+            sent,
+            outcome.attempts,
+            outcome.ticket,
+            outcome.late_until,
+        )
     };
     let acquired = Acquired {
         attempts,
@@ -127,6 +133,7 @@ async fn take_set(manager: &LockManager, plan: Plan<Vec<Keys>>) -> Result<MultiG
         request,
         fences,
         nested,
+        late_until,
     };
     let guard = grant_set(manager, &plan, taken, acquired);
     // The waiters behind see the holder until the guard exists.
@@ -142,6 +149,8 @@ struct Taken {
     request: SetRequest,
     fences: Vec<u64>,
     nested: Vec<LockGuard>,
+    /// Until when an attempt whose answer never came may still reach the server.
+    late_until: Option<Instant>,
 }
 
 /// Builds the guard of a granted set: one lease for the set, its renewals, and its place in
@@ -159,6 +168,7 @@ fn grant_set(
         request,
         fences,
         nested,
+        late_until,
     } = taken;
     // Every lease of the set shares one state: a renewal that finds any lock gone marks the
     // whole set lost.
@@ -197,6 +207,7 @@ fn grant_set(
         fresh,
         fences: plan.options.fencing.then_some(fences),
         request,
+        late_until,
         nested,
         lease,
         acquired,
@@ -209,27 +220,12 @@ fn grant_set(
 
 /// Lists each lock of the set as the first hold it is, for shutdown to give back.
 fn list(inner: &Inner, request: &SetRequest, lease: &Arc<LeaseState>) -> Listing {
-    let mut ids = Vec::with_capacity(request.keys.len());
-    let mut after_shutdown = false;
-    for key in &request.keys {
-        let live = Live {
-            ids: Arc::new(hold_ids(key, &request.token)),
-            keep_until: None,
-            lease: lease.clone(),
-        };
-        match inner.holds.list(live) {
-            Some(id) => ids.push(id),
-            None => after_shutdown = true,
-        }
-    }
-    if after_shutdown {
-        for id in ids {
-            inner.holds.unlist(id);
-        }
-        Listing::Unlisted
-    } else {
-        Listing::Listed(ids)
-    }
+    let live = request.keys.iter().map(|key| Live {
+        ids: Arc::new(hold_ids(key, &request.token)),
+        keep_until: None,
+        lease: lease.clone(),
+    });
+    inner.holds.list(live)
 }
 
 impl Ask for SetRequest {
@@ -255,19 +251,33 @@ impl Ask for SetRequest {
     }
 
     fn release_behind(&self, inner: &Arc<Inner>, _intent: Option<String>) {
-        let (request, releaser) = (self.clone(), inner.releaser());
+        let (given, releaser) = (attempted(self), inner.releaser());
         crate::engine::send_behind(inner, move || {
-            let (releaser, request) = (releaser.clone(), request.clone());
-            async move { releaser.release_set(&request).await }
+            let (releaser, given) = (releaser.clone(), given.clone());
+            async move {
+                releaser
+                    .give_back(given, Known::default())
+                    .await
+                    .answer()
+                    .map(drop)
+            }
         });
     }
 
     async fn give_back(&self, inner: &Inner) -> Option<bool> {
-        let request = self.clone();
-        let released = inner
-            .exec(move |backend| async move { backend.release_set(&request).await })
+        let (given, releaser) = (attempted(self), inner.releaser());
+        let outcome = inner
+            .exec(move |_| releaser.give_back(given, Known::default()))
             .await;
-        Some(released.ok()?.ok()?.contains(&true))
+        outcome.ok()?.answer().ok()
+    }
+}
+
+/// What a set's attempts may hold, to give back behind them.
+fn attempted(request: &SetRequest) -> SetRelease {
+    SetRelease {
+        request: request.clone(),
+        late_until: None,
     }
 }
 
@@ -284,6 +294,8 @@ pub struct MultiGuard {
     fresh: Vec<Keys>,
     fences: Option<Vec<u64>>,
     request: SetRequest,
+    /// As [`HoldIds::late_until`], for the set's own attempts.
+    late_until: Option<Instant>,
     /// Nested holds of keys this code already held.
     nested: Vec<LockGuard>,
     lease: Arc<LeaseState>,
@@ -294,17 +306,6 @@ pub struct MultiGuard {
     metrics: crate::metrics::Labels,
     /// The `lock.hold` span of the set, from the grant to the release.
     span: crate::trace::HoldSpan,
-}
-
-/// Where a set's locks stand with its manager (as a `LockGuard`'s hold does).
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Listing {
-    /// Listed under these ids, so that shutdown can give them back.
-    Listed(Vec<u64>),
-    /// Granted while the manager shut down: not listed, still to be given back.
-    Unlisted,
-    /// Given back, or handed to shutdown.
-    Done,
 }
 
 /// What names the hold a set has of one of its locks: a first exclusive hold of its token.
@@ -500,10 +501,12 @@ impl MultiGuard {
         if !fresh.is_empty() {
             let giving = Giving {
                 inner: &self.manager.inner,
-                request,
-                fresh,
+                given: self.given(request),
+                lease: self.lease.clone(),
             };
-            outcome = self.release_on_server(&giving).await;
+            let mut unanswered = Unanswered::armed(&giving);
+            outcome = self.send(&giving, &fresh).await;
+            unanswered.answered();
         }
         // Nested holds end after the set, innermost first.
         for guard in std::mem::take(&mut self.nested).into_iter().rev() {
@@ -515,41 +518,33 @@ impl MultiGuard {
         outcome
     }
 
-    /// Gives back the locks of `giving` on the server, as one hold's release does: once more
-    /// if the reply is lost, and again from the background if this future is dropped first.
-    async fn release_on_server(&self, giving: &Giving<'_>) -> Result<(), LockError> {
+    /// The part `request` of the set given back, its late attempts covered.
+    fn given(&self, request: SetRequest) -> SetRelease {
+        SetRelease {
+            request,
+            late_until: self.late_until,
+        }
+    }
+
+    /// Gives back the locks of `giving` (named `fresh`) on the server.
+    async fn send(&self, giving: &Giving<'_>, fresh: &[Keys]) -> Result<(), LockError> {
         let inner = giving.inner;
-        let mut unanswered = Unanswered::armed(giving);
-        let mut retried = false;
-        let released = loop {
-            let request = giving.request.clone();
-            let answer = inner
-                .exec(move |backend| async move { backend.release_set(&request).await })
-                .await?;
-            match answer {
-                Ok(released) => break released,
-                Err(error) if release::send_again(&error, retried) => retried = true,
-                Err(error) => {
-                    unanswered.answered();
-                    return Err(LockError::redis(&giving.fresh[0].name, error));
-                }
-            }
+        let (given, releaser) = (giving.given.clone(), inner.releaser());
+        let known = Known {
+            lease: Some(giving.lease.clone()),
+            ..Known::default()
         };
-        unanswered.answered();
-        let mut lost = None;
-        for ((yes, key), keys) in released.iter().zip(&giving.request.keys).zip(&giving.fresh) {
-            if *yes {
-                inner.waiters.released(&key.wake);
-            } else if lost.is_none() && release::found_lost(retried, &self.lease) {
-                lost = Some(keys.name.clone());
-            }
-        }
+        let outcome = inner
+            .exec(move |_| releaser.give_back(given, known))
+            .await?;
         tracing::debug!(keys = ?self.names, held_for = ?self.acquired.sent.elapsed(), "released");
-        if let Some(key) = lost {
-            self.lease.mark_lost();
-            return Err(LockError::Lost { key });
+        match outcome {
+            Outcome::Released => Ok(()),
+            Outcome::Lost(at) => Err(LockError::Lost {
+                key: fresh[at].name.clone(),
+            }),
+            Outcome::Unknown(error) => Err(LockError::redis(&fresh[0].name, error)),
         }
-        Ok(())
     }
 
     /// The part of the set whose last hold this guard is (every lock, unless code inside the
@@ -576,26 +571,12 @@ impl MultiGuard {
     /// Takes the set off the manager's list: `true` when giving it back is up to the caller,
     /// `false` when shutdown (or an earlier release) already did.
     fn unlist(&mut self) -> bool {
-        match std::mem::replace(&mut self.listing, Listing::Done) {
-            // Shutdown takes every hold at once: one still listed means all are.
-            Listing::Listed(ids) => {
-                let holds = &self.manager.inner.holds;
-                ids.into_iter()
-                    .fold(self.fresh.is_empty(), |ours, id| holds.unlist(id) | ours)
-            }
-            Listing::Unlisted => true,
-            Listing::Done => false,
-        }
+        self.manager.inner.holds.unlist(&mut self.listing)
     }
 
     /// Whether [`LockManager::shutdown`] gave the set back.
     fn given_back_by_shutdown(&self) -> bool {
-        match &self.listing {
-            Listing::Listed(ids) => ids
-                .iter()
-                .any(|&id| !self.manager.inner.holds.is_listed(id)),
-            Listing::Unlisted | Listing::Done => false,
-        }
+        self.manager.inner.holds.given_back(&self.listing)
     }
 
     fn lost_error(&self, key: Option<&str>) -> LockError {
@@ -629,7 +610,11 @@ impl Drop for MultiGuard {
                 return;
             }
             // From the manager's own runtime, which outlives the caller's.
-            self.manager.inner.releaser().set_in_background(request);
+            let known = Known {
+                lease: Some(self.lease.clone()),
+                ..Known::default()
+            };
+            (self.manager.inner.releaser()).in_background(self.given(request), known);
         }
     }
 }
@@ -638,16 +623,17 @@ impl Drop for MultiGuard {
 /// manager it goes through.
 struct Giving<'g> {
     inner: &'g Inner,
-    request: SetRequest,
-    /// The names of the locks of `request`, in its order.
-    fresh: Vec<Keys>,
+    given: SetRelease,
+    lease: Arc<LeaseState>,
 }
 
 impl Resend for Giving<'_> {
     fn resend(&self) {
-        self.inner
-            .releaser()
-            .set_in_background(self.request.clone());
+        let known = Known {
+            lease: Some(self.lease.clone()),
+            ..Known::default()
+        };
+        (self.inner.releaser()).in_background(self.given.clone(), known);
     }
 }
 

@@ -17,7 +17,8 @@ use crate::driver::Driver;
 use crate::holds::Holds;
 use crate::identity::Lookup;
 use crate::key;
-use crate::waiters::{Releaser, Waiters};
+use crate::release::{Known, OneHold, Releaser};
+use crate::waiters::Waiters;
 use crate::watchdog::{Through, Watchdog};
 
 mod builder;
@@ -198,7 +199,16 @@ impl LockManager {
         if inner.holds.is_shut_down() {
             return;
         }
-        inner.holds.shut_down(&inner.releaser()).await;
+        let releaser = inner.releaser();
+        let releases = inner.holds.shut_down().into_iter().map(|hold| {
+            let given = OneHold::new(hold.ids, hold.keep_until);
+            let known = Known {
+                lease: Some(hold.lease),
+                ..Known::default()
+            };
+            releaser.driver.run(releaser.clone().logged(given, known))
+        });
+        futures_util::future::join_all(releases).await;
         inner.watchdog.stop();
         let registry = Arc::clone(&inner.registry);
         let _ = inner

@@ -23,9 +23,7 @@
 //! waiters hands the grant to that waiter's standing offer instead, in-process.
 //!
 //! A grant travels to its waiter as a [`Handed`], which gives the lock back if nobody claims
-//! it. What gives a lock back from the manager's own runtime (a dropped guard or grant, a
-//! shutdown) is a [`Releaser`]: a fair lock that its release grants to a waiter of this
-//! manager goes to that waiter's standing offer too.
+//! it. Releases themselves are sent by `release`, which tells the queue what they did.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -38,14 +36,13 @@ use tokio::task::AbortHandle;
 
 use crate::backend::Backend;
 use crate::driver::Driver;
+use crate::handed::Handed;
 
 mod choice;
 mod pubsub;
-mod releaser;
 
 use choice::{Choice, SLICE, Terms, choose};
 pub(crate) use choice::{CohortBounds, Passable};
-pub(crate) use releaser::{Handed, LocalPass, Releaser};
 
 /// The waiting side of one manager (a clone is another handle on the same waiters).
 #[derive(Debug, Clone)]
