@@ -274,7 +274,7 @@ impl LockGuard {
         let keep_until = self.parts.held.keep_until();
         // Sends the release again from the background if this future is dropped midway.
         let mut unanswered = Unanswered::armed(&self);
-        let outcome = self.give_back(keep_until).await;
+        let outcome = self.give_back(keep_until, &mut unanswered).await?;
         unanswered.answered();
         outcome
     }

@@ -178,7 +178,7 @@ fn grant_set(
     for (key, &fence) in request.keys.iter().zip(&fences) {
         // One hold identity per lock, shared by its renewal, its context entry and its
         // release.
-        let ids = Arc::new(hold_ids(key, &request.token));
+        let ids = Arc::new(hold_ids(key, &request.token, late_until));
         holds.push(ids.clone());
         let start = (fence, None, 0);
         held.push(Held::first(
@@ -194,12 +194,17 @@ fn grant_set(
     for one in &held {
         let _ = one.set.set(sharers.clone());
     }
+    // Each lock listed as the first hold it is, for shutdown to give back.
+    let listing = inner.holds.list(holds.iter().map(|ids| Live {
+        ids: ids.clone(),
+        keep_until: None,
+        lease: lease.clone(),
+    }));
     // One renewal for the whole set: its lease goes on only if every lock was renewed.
     let renewals: Vec<Registration> =
         lock::register_renewal(inner, plan, Holds::Set(holds.into()), &lease, acquired.sent)
             .into_iter()
             .collect();
-    let listing = list(inner, &request, &lease);
     MultiGuard {
         listing,
         manager: manager.clone(),
@@ -216,16 +221,6 @@ fn grant_set(
         metrics: plan.metrics,
         span: crate::trace::HoldSpan::default(),
     }
-}
-
-/// Lists each lock of the set as the first hold it is, for shutdown to give back.
-fn list(inner: &Inner, request: &SetRequest, lease: &Arc<LeaseState>) -> Listing {
-    let live = request.keys.iter().map(|key| Live {
-        ids: Arc::new(hold_ids(key, &request.token)),
-        keep_until: None,
-        lease: lease.clone(),
-    });
-    inner.holds.list(live)
 }
 
 impl Ask for SetRequest {
@@ -309,7 +304,7 @@ pub struct MultiGuard {
 }
 
 /// What names the hold a set has of one of its locks: a first exclusive hold of its token.
-fn hold_ids(key: &SetKey, token: &str) -> HoldIds {
+fn hold_ids(key: &SetKey, token: &str, late_until: Option<Instant>) -> HoldIds {
     HoldIds {
         lock: key.lock.clone(),
         wake: key.wake.clone(),
@@ -317,7 +312,7 @@ fn hold_ids(key: &SetKey, token: &str) -> HoldIds {
         share: None,
         plain: false,
         fair: None,
-        late_until: None,
+        late_until,
     }
 }
 
@@ -505,7 +500,8 @@ impl MultiGuard {
                 lease: self.lease.clone(),
             };
             let mut unanswered = Unanswered::armed(&giving);
-            outcome = self.send(&giving, &fresh).await;
+            // An error here leaves it armed: it is sent again from the background.
+            outcome = self.send(&giving, &fresh).await?;
             unanswered.answered();
         }
         // Nested holds end after the set, innermost first.
@@ -526,25 +522,27 @@ impl MultiGuard {
         }
     }
 
-    /// Gives back the locks of `giving` (named `fresh`) on the server.
-    async fn send(&self, giving: &Giving<'_>, fresh: &[Keys]) -> Result<(), LockError> {
+    /// Gives back the locks of `giving` (named `fresh`) on the server: `Err` when it could
+    /// not be sent from here.
+    async fn send(
+        &self,
+        giving: &Giving<'_>,
+        fresh: &[Keys],
+    ) -> Result<Result<(), LockError>, LockError> {
         let inner = giving.inner;
         let (given, releaser) = (giving.given.clone(), inner.releaser());
-        let known = Known {
-            lease: Some(giving.lease.clone()),
-            ..Known::default()
-        };
+        let known = Known::hold(giving.lease.clone());
         let outcome = inner
             .exec(move |_| releaser.give_back(given, known))
             .await?;
         tracing::debug!(keys = ?self.names, held_for = ?self.acquired.sent.elapsed(), "released");
-        match outcome {
+        Ok(match outcome {
             Outcome::Released => Ok(()),
             Outcome::Lost(at) => Err(LockError::Lost {
                 key: fresh[at].name.clone(),
             }),
             Outcome::Unknown(error) => Err(LockError::redis(&fresh[0].name, error)),
-        }
+        })
     }
 
     /// The part of the set whose last hold this guard is (every lock, unless code inside the
@@ -610,10 +608,7 @@ impl Drop for MultiGuard {
                 return;
             }
             // From the manager's own runtime, which outlives the caller's.
-            let known = Known {
-                lease: Some(self.lease.clone()),
-                ..Known::default()
-            };
+            let known = Known::hold(self.lease.clone());
             (self.manager.inner.releaser()).in_background(self.given(request), known);
         }
     }
@@ -629,10 +624,7 @@ struct Giving<'g> {
 
 impl Resend for Giving<'_> {
     fn resend(&self) {
-        let known = Known {
-            lease: Some(self.lease.clone()),
-            ..Known::default()
-        };
+        let known = Known::hold(self.lease.clone());
         (self.inner.releaser()).in_background(self.given.clone(), known);
     }
 }

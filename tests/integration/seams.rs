@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use distlock::testing::RedisServer;
+use distlock::testing::{Fault, FaultProxy, RedisServer};
 use distlock::{LockError, LockManager, distributed_lock};
 
 use crate::support::{keys, manager, shared_server, unique_prefix};
@@ -240,4 +240,77 @@ async fn a_waiter_behind_its_own_managers_holder_takes_a_force_released_lock() {
         holder.release().await,
         Err(LockError::Lost { .. })
     ));
+}
+
+/// Polls `done` every few milliseconds until it holds; fails naming `what` after `within`.
+async fn until(within: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !done() {
+        assert!(started.elapsed() < within, "{what} did not happen");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_late_first_attempt_never_keeps_the_key_after_its_retry_was_released() {
+    let server = RedisServer::start().unwrap();
+    let proxy = FaultProxy::start(server.port()).unwrap();
+    let locks = LockManager::builder()
+        .redis_url(proxy.url())
+        .key_prefix("late-first:")
+        .response_timeout(Duration::from_millis(200))
+        .build()
+        .await
+        .unwrap();
+    let key = "late-first:{k}";
+    // The first attempt is held back 1 s by the network, far past its response timeout; the
+    // retry goes through at once and is granted.
+    proxy.set(Fault::Latency(Duration::from_secs(1)));
+    let before = proxy.delayed();
+    let request = tokio::spawn({
+        let locks = locks.clone();
+        async move {
+            locks
+                .lock("k")
+                .ttl(Duration::from_secs(30))
+                .wait(Duration::from_secs(10))
+                .acquire()
+                .await
+        }
+    });
+    until(
+        Duration::from_secs(5),
+        "the first attempt reaching the proxy",
+        || proxy.delayed() > before,
+    )
+    .await;
+    proxy.set(Fault::Pass);
+    let guard = request.await.unwrap().unwrap();
+    assert!(guard.attempts() >= 2, "granted by a retry");
+    guard.release().await.unwrap();
+    // Then the first attempt lands, on a key nobody holds, and takes it for the released
+    // token: the release is sent again once no late delivery can happen, well inside the
+    // 30 s lease it would otherwise keep.
+    until(Duration::from_secs(5), "the late attempt landing", || {
+        server.command(&["EXISTS", key]).unwrap().starts_with(":1")
+    })
+    .await;
+    until(Duration::from_secs(10), "the late grant given back", || {
+        server.command(&["EXISTS", key]).unwrap().starts_with(":0")
+    })
+    .await;
+    let other = LockManager::builder()
+        .redis_url(server.url())
+        .key_prefix("late-first:")
+        .build()
+        .await
+        .unwrap();
+    other
+        .lock("k")
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
 }

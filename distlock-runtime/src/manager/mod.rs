@@ -202,10 +202,7 @@ impl LockManager {
         let releaser = inner.releaser();
         let releases = inner.holds.shut_down().into_iter().map(|hold| {
             let given = OneHold::new(hold.ids, hold.keep_until);
-            let known = Known {
-                lease: Some(hold.lease),
-                ..Known::default()
-            };
+            let known = Known::hold(hold.lease);
             releaser.driver.run(releaser.clone().logged(given, known))
         });
         futures_util::future::join_all(releases).await;

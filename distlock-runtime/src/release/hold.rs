@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{Known, OneHold, Outcome, Yielding};
+use super::{Known, OneHold, Outcome, Unanswered, Yielding};
 use crate::LockError;
 use crate::backend::HoldIds;
 use crate::cohort::{Checked, Run};
@@ -29,12 +29,22 @@ enum Locally {
 }
 
 impl LockGuard {
-    /// Gives back the hold this guard was the last of, keeping its key until `keep_until`.
-    pub(crate) async fn give_back(&self, keep_until: Option<Instant>) -> Result<(), LockError> {
+    /// Gives back the hold this guard was the last of, keeping its key until `keep_until`,
+    /// and answers how that went. `Err` when the release could not be carried out here (the
+    /// manager's runtime is gone): `unanswered` is left armed, to send it again. Once the
+    /// hold is passed on, nothing of it is this guard's to send: `unanswered` is disarmed
+    /// before the pass is checked.
+    pub(crate) async fn give_back(
+        &self,
+        keep_until: Option<Instant>,
+        unanswered: &mut Unanswered<'_, Self>,
+    ) -> Result<Result<(), LockError>, LockError> {
         let resent = match self.release_locally(keep_until).await? {
-            Locally::Done(outcome) => return outcome,
-            // The hold is the next holder's now: nothing of it is this guard's to send.
-            Locally::Passed(run, check) => return Box::pin(self.checked(&run, check)).await,
+            Locally::Done(outcome) => return Ok(outcome),
+            Locally::Passed(run, check) => {
+                unanswered.answered();
+                return Ok(Box::pin(self.checked(&run, check)).await);
+            }
             Locally::Unsettled => true,
             Locally::NotHere => false,
         };
@@ -56,23 +66,26 @@ impl LockGuard {
             lease: Some(self.parts.lease.clone()),
             run: self.parts.held.run.get().cloned(),
             resent,
+            hold: true,
         }
     }
 
-    /// Gives `given` back on the server, and answers as a guard's release does.
-    async fn send(&self, given: OneHold, resent: bool) -> Result<(), LockError> {
+    /// Gives `given` back on the server, and answers as a guard's release does (`Err`: it
+    /// could not be sent from here).
+    async fn send(&self, given: OneHold, resent: bool) -> Result<Result<(), LockError>, LockError> {
         let inner = &self.parts.manager.inner;
         let (releaser, known) = (inner.releaser(), self.known(resent));
+        // Boxed: the loop's state stays out of the caller's release future.
         match inner
-            .exec(move |_| releaser.give_back(given, known))
+            .exec(move |_| Box::pin(releaser.give_back(given, known)))
             .await?
         {
             Outcome::Released => {
                 tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "released");
-                Ok(())
+                Ok(Ok(()))
             }
-            Outcome::Lost(_) => Err(self.lost_error()),
-            Outcome::Unknown(error) => Err(LockError::redis(self.key(), error)),
+            Outcome::Lost(_) => Ok(Err(self.lost_error())),
+            Outcome::Unknown(error) => Ok(Err(LockError::redis(self.key(), error))),
         }
     }
 
@@ -82,7 +95,10 @@ impl LockGuard {
     async fn release_locally(&self, keep_until: Option<Instant>) -> Result<Locally, LockError> {
         let inner = &self.parts.manager.inner;
         let held = &self.parts.held;
-        if !held.ids.plain || keep_until.is_some() || !inner.backend.capabilities().hand_off {
+        // A fair lock goes to the head of its server queue, never to a local waiter first.
+        let fair = held.ids.fair.is_some();
+        if fair || !held.ids.plain || keep_until.is_some() || !inner.backend.capabilities().hand_off
+        {
             return Ok(Locally::NotHere);
         }
         // A run whose check found the hold gone (or could not tell) passes it no more.
@@ -105,7 +121,7 @@ impl LockGuard {
             Next::Yield => {
                 let cohort = held.cohort;
                 let given = OneHold::yielding(self.ids(), Yielding { lease, cohort });
-                Locally::Done(Box::pin(self.send(given, false)).await)
+                Locally::Done(Box::pin(self.send(given, false)).await?)
             }
             Next::HandOff(offer) => match Box::pin(self.hand_off(offer)).await? {
                 Some(outcome) => Locally::Done(outcome),

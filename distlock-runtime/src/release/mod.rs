@@ -239,6 +239,20 @@ pub(crate) struct Known {
     pub(crate) run: Option<Arc<Run>>,
     /// A release was sent already, whose reply was lost (a hand-off's).
     pub(crate) resent: bool,
+    /// What is given back was held by this manager (not what an attempt may hold): once
+    /// Redis answers, none of this manager holds it, and its local waiters are woken to ask.
+    pub(crate) hold: bool,
+}
+
+impl Known {
+    /// A hold of this manager with `lease`.
+    pub(crate) fn hold(lease: Arc<LeaseState>) -> Self {
+        Self {
+            lease: Some(lease),
+            hold: true,
+            ..Self::default()
+        }
+    }
 }
 
 /// How a release ended.
@@ -321,7 +335,7 @@ impl Releaser {
                 {
                     outcome = Outcome::Lost(at);
                 }
-                self.owe(given, at, freed, sent, known.lease.is_some());
+                self.owe(given, at, freed, sent, known.hold);
             }
             return outcome;
         }
@@ -449,6 +463,7 @@ impl Unclaimed for Releaser {
     fn give_back(&self, ids: Arc<HoldIds>, run: Option<Arc<Run>>) {
         let known = Known {
             run,
+            hold: true,
             ..Known::default()
         };
         self.in_background(OneHold::new(ids, None), known);

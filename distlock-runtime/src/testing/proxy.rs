@@ -35,6 +35,8 @@ struct ProxyShared {
     /// Bumped by `reset`: connections from an older generation close.
     generation: AtomicU64,
     stopped: std::sync::atomic::AtomicBool,
+    /// Chunks held back by [`Fault::Latency`] so far.
+    delayed: AtomicU64,
 }
 
 impl FaultProxy {
@@ -46,6 +48,7 @@ impl FaultProxy {
             fault: Mutex::new(Fault::Pass),
             generation: AtomicU64::new(0),
             stopped: std::sync::atomic::AtomicBool::new(false),
+            delayed: AtomicU64::new(0),
         });
         let accepting = shared.clone();
         std::thread::Builder::new()
@@ -84,6 +87,13 @@ impl FaultProxy {
     /// Sets what happens to traffic from now on.
     pub fn set(&self, fault: Fault) {
         *self.shared.fault.lock().unwrap_or_else(|e| e.into_inner()) = fault;
+    }
+
+    /// How many chunks [`Fault::Latency`] has held back so far, in either direction: a test
+    /// that delays one request can wait until the proxy has taken it, then let the rest pass
+    /// (a chunk read under a latency is delivered late even if the fault changes meanwhile).
+    pub fn delayed(&self) -> u64 {
+        self.shared.delayed.load(Ordering::Acquire)
     }
 
     /// Closes every open connection (the peers see a reset or end of stream); new ones are
@@ -144,6 +154,7 @@ fn pipe(mut from: TcpStream, mut to: TcpStream, shared: &ProxyShared, generation
             std::thread::sleep(Duration::from_millis(5));
         };
         if let Fault::Latency(delay) = fault {
+            shared.delayed.fetch_add(1, Ordering::AcqRel);
             std::thread::sleep(delay);
         }
         if to.write_all(&buf[..n]).is_err() {
