@@ -221,3 +221,36 @@ async fn a_leader_cut_off_from_redis_kills_its_command_before_another_leads() {
     let exited = first.exit().await;
     assert_eq!(exited.code, Some(111), "{exited:?}");
 }
+
+/// Ctrl-Z stops the leader's command, not `lead`: leadership stays renewed while the command
+/// is stopped (another replica does not take over for several leases), and SIGCONT continues
+/// it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigtstp_stops_the_leaders_command_while_leadership_is_kept() {
+    let server = shared_server();
+    let prefix = unique_prefix("cli-lead-tstp");
+    let url = server.url();
+    let script = r#"echo "leading $DISTLOCK_TERM $$"; read line; echo "got $line"; exit 4"#;
+    let args = [
+        "lead", "svc", "--ttl", "1s", "--once", "--", "sh", "-c", script,
+    ];
+    let mut lead = Running::start(&url, &prefix, &args);
+    let (_, pid) = leading(&lead.line().await);
+    lead.signal("TSTP");
+    crate::cli::await_state(pid, "stopped", |state| state == Some('T')).await;
+    let mut other = Running::start(&url, &prefix, &["lead", "svc", "--", "sh", "-c", LEADING]);
+    // For three leases, nobody else leads beside the stopped command.
+    let others = tokio::time::timeout(Duration::from_secs(3), other.line()).await;
+    assert!(others.is_err(), "two leaders: {others:?}");
+    assert_eq!(process_state(pid), Some('T'), "still stopped");
+    lead.signal("CONT");
+    crate::cli::await_state(pid, "continued", |state| state != Some('T')).await;
+    lead.write("on\n").await;
+    assert_eq!(lead.line().await, "got on");
+    assert_eq!(lead.exit().await.code, Some(4));
+    // Resigned: the other replica leads now.
+    let (_, next) = leading(&other.line().await);
+    other.signal("TERM");
+    other.exit().await;
+    dead(next).await;
+}
