@@ -66,6 +66,7 @@
 //! [long critical sections](guide::long_sections), [waiting](guide::waiting),
 //! [what a lock guarantees](guide::guarantees), [topologies](guide::topologies), the
 //! [`distlock` binary](guide::cli), [testing your own code](guide::testing), and more.
+#![forbid(unsafe_code)]
 #![warn(
     missing_docs,
     missing_debug_implementations,

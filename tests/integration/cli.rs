@@ -459,3 +459,34 @@ fn durations_are_read_as_the_attribute_reads_them() {
         assert!(parsed.contains(says), "parse_duration({value:?}): {parsed}");
     }
 }
+
+/// The state letter of the process `pid` (`R`, `S`, `T` for stopped, `Z` for a zombie), or
+/// `None` once there is no such process.
+fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // `pid (comm) state …`: the name may hold spaces and parentheses, the state follows the
+    // last `)`.
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+/// Waits until the process `pid` is in a state `until` accepts (`None`: it is gone), within
+/// [`BOUND`].
+async fn await_state(pid: u32, what: &str, until: impl Fn(Option<char>) -> bool) {
+    let started = std::time::Instant::now();
+    loop {
+        let state = process_state(pid);
+        if until(state) {
+            return;
+        }
+        assert!(
+            started.elapsed() < BOUND,
+            "process {pid} not {what} after {BOUND:?}: {state:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Waits until the process `pid` is dead (gone, or a zombie nobody has reaped yet).
+async fn dead(pid: u32) {
+    await_state(pid, "dead", |state| matches!(state, None | Some('Z'))).await;
+}

@@ -1,6 +1,6 @@
-//! The command `run` and `lead` start: spawned in a process group of its own, watched until it
-//! exits, stopped (SIGTERM, then SIGKILL after a grace period) when the lock is lost, and sent
-//! the SIGINT or SIGTERM that `distlock` itself receives.
+//! The command `run` and `lead` start: spawned in a process group of its own (on Linux, killed
+//! should `distlock` die), watched until it exits, stopped (SIGTERM, then SIGKILL) so that it
+//! is gone before its lease can end, and sent the signals `distlock` itself receives.
 //!
 //! Signals are Unix's. Elsewhere Ctrl-C is the only signal heard, and stopping the command
 //! kills it at once.
@@ -19,20 +19,48 @@ use crate::exit;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Received(pub(crate) i32);
 
+/// SIGHUP.
+pub(crate) const HANGUP: Received = Received(1);
+/// SIGINT.
+pub(crate) const INTERRUPT: Received = Received(2);
+/// SIGQUIT.
+pub(crate) const QUIT: Received = Received(3);
+/// SIGKILL.
+#[cfg(unix)]
+const KILL: Received = Received(9);
+/// SIGTERM.
+pub(crate) const TERMINATE: Received = Received(15);
+/// SIGCONT (Linux's number; taken from the platform where signals are heard).
+#[cfg(unix)]
+const CONTINUE: Received = Received(nix::libc::SIGCONT);
+/// SIGSTOP.
+#[cfg(unix)]
+const STOP: Received = Received(nix::libc::SIGSTOP);
+/// SIGTSTP (Ctrl-Z).
+#[cfg(unix)]
+const TERMINAL_STOP: Received = Received(nix::libc::SIGTSTP);
+
 impl Received {
     /// The exit code of a process that gave up because of this signal, as a shell reports it.
     pub(crate) fn exit_code(self) -> u8 {
         u8::try_from(128 + self.0).unwrap_or(exit::SOFTWARE)
     }
+
+    /// Whether this signal asks `distlock` to end (SIGHUP, SIGINT, SIGQUIT, SIGTERM), rather
+    /// than to stop or continue the command.
+    pub(crate) fn ends(self) -> bool {
+        [HANGUP, INTERRUPT, QUIT, TERMINATE].contains(&self)
+    }
 }
 
-/// SIGINT and SIGTERM, heard from the moment this is made (instead of ending the process).
+/// The signals `distlock` handles instead of their default action, heard from the moment this
+/// is made: SIGHUP, SIGINT, SIGQUIT and SIGTERM (passed on, then `distlock` ends once the
+/// command has), SIGTSTP and SIGCONT (the command is stopped and continued; `distlock` itself
+/// never stops, so that the lease stays renewed while the command is stopped).
 #[derive(Debug)]
 pub(crate) struct Signals {
     #[cfg(unix)]
-    interrupt: tokio::signal::unix::Signal,
-    #[cfg(unix)]
-    terminate: tokio::signal::unix::Signal,
+    heard: Vec<(Received, tokio::signal::unix::Signal)>,
 }
 
 #[cfg(unix)]
@@ -40,17 +68,34 @@ impl Signals {
     /// Starts listening.
     pub(crate) fn listen() -> io::Result<Self> {
         use tokio::signal::unix::{SignalKind, signal};
-        Ok(Self {
-            interrupt: signal(SignalKind::interrupt())?,
-            terminate: signal(SignalKind::terminate())?,
-        })
+        let mut heard = Vec::new();
+        for received in [HANGUP, INTERRUPT, QUIT, TERMINATE, TERMINAL_STOP, CONTINUE] {
+            heard.push((received, signal(SignalKind::from_raw(received.0))?));
+        }
+        Ok(Self { heard })
     }
 
     /// The next signal received.
     pub(crate) async fn recv(&mut self) -> Received {
-        tokio::select! {
-            Some(()) = self.interrupt.recv() => Received(2),
-            Some(()) = self.terminate.recv() => Received(15),
+        std::future::poll_fn(|cx| {
+            for (received, signal) in &mut self.heard {
+                if signal.poll_recv(cx).is_ready() {
+                    return std::task::Poll::Ready(*received);
+                }
+            }
+            std::task::Poll::Pending
+        })
+        .await
+    }
+
+    /// The next signal received that asks `distlock` to end (others are dropped): while no
+    /// command runs, stopping and continuing concern nobody else.
+    pub(crate) async fn ending(&mut self) -> Received {
+        loop {
+            let received = self.recv().await;
+            if received.ends() {
+                return received;
+            }
         }
     }
 }
@@ -65,9 +110,14 @@ impl Signals {
     /// The next Ctrl-C, as SIGINT.
     pub(crate) async fn recv(&mut self) -> Received {
         match tokio::signal::ctrl_c().await {
-            Ok(()) => Received(2),
+            Ok(()) => INTERRUPT,
             Err(_) => std::future::pending().await,
         }
+    }
+
+    /// The next Ctrl-C, as SIGINT.
+    pub(crate) async fn ending(&mut self) -> Received {
+        self.recv().await
     }
 }
 
@@ -97,6 +147,8 @@ pub(crate) fn spawn(
     if group {
         spawn.process_group(0);
     }
+    #[cfg(target_os = "linux")]
+    dies_with_us(&mut spawn);
     match spawn.spawn() {
         Ok(child) => Ok(Started { child, group }),
         Err(error) => {
@@ -113,13 +165,40 @@ pub(crate) fn spawn(
     }
 }
 
+/// Has the kernel SIGKILL the command when `distlock` dies, of whatever cause (SIGKILL
+/// included), so that it never runs on unsupervised while the lease runs out.
+///
+/// The kernel sends it when the thread that started the command ends: commands are started
+/// from the main thread (the one `#[tokio::main]` blocks on), which ends only with the process.
+/// It reaches the command itself (and whatever it `exec`s), not processes it started.
+#[cfg(target_os = "linux")]
+fn dies_with_us(spawn: &mut Command) {
+    let parent = nix::unistd::getpid();
+    let child = move || -> io::Result<()> {
+        nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
+        // Dead already, before the setting took: nobody would send the signal.
+        if nix::unistd::getppid() != parent {
+            return Err(io::Error::from(nix::errno::Errno::ESRCH));
+        }
+        Ok(())
+    };
+    // SAFETY: the closure runs in the forked child before `exec`, where only
+    // async-signal-safe calls are sound: it makes two system calls (`prctl`, `getppid`) and
+    // builds an `io::Error` from an OS error code, which allocates nothing; it takes no lock
+    // and touches no memory shared with other threads of the parent.
+    #[allow(unsafe_code)]
+    unsafe {
+        spawn.pre_exec(child);
+    }
+}
+
 /// How a supervised command ended.
 #[derive(Debug)]
 pub(crate) struct Ended {
     /// Its exit status (an error if it could not be waited for).
     pub(crate) status: io::Result<ExitStatus>,
-    /// Set when the lock was lost and the command was stopped for it.
-    pub(crate) lost: Option<distlock::LockError>,
+    /// Set when the command was stopped for its lease.
+    pub(crate) lost: Option<Stopped>,
     /// The last signal passed on to it, if any.
     pub(crate) interrupted: Option<Received>,
 }
@@ -157,43 +236,135 @@ fn signal_code(_: ExitStatus) -> Option<u8> {
     None
 }
 
-/// Waits for the command to exit, passing on every signal `distlock` receives meanwhile; if
-/// `lost` completes first, stops it: SIGTERM, then SIGKILL after `grace`.
-pub(crate) async fn supervise(
-    mut started: Started,
-    lost: impl Future<Output = distlock::LockError>,
-    grace: Duration,
-    signals: &mut Signals,
-) -> Ended {
-    let mut lost = std::pin::pin!(lost);
-    let mut interrupted = None;
-    loop {
-        tokio::select! {
-            status = started.child.wait() => return Ended { status, lost: None, interrupted },
-            received = signals.recv() => {
-                started.send(received);
-                interrupted = Some(received);
-            }
-            error = &mut lost => {
-                let status = started.stop(grace, signals).await;
-                return Ended { status, lost: Some(error), interrupted };
-            }
+/// The least time between SIGKILL and the end of the lease by this process's clock (which
+/// already keeps a margin for drift against the server's): a tenth of the lease, a second at
+/// most.
+pub(crate) fn kill_margin(ttl: Duration) -> Duration {
+    (ttl / 10).min(Duration::from_secs(1))
+}
+
+/// `grace` shortened to what fits in a lease of `ttl`: the stop starts once half the lease has
+/// passed without a renewal (renewals come every third of it), and SIGKILL goes out
+/// [`kill_margin`] before the lease ends.
+pub(crate) fn fitted_grace(grace: Duration, ttl: Duration) -> Duration {
+    grace.min((ttl / 2).saturating_sub(kill_margin(ttl)))
+}
+
+/// Why the command was stopped.
+#[derive(Debug)]
+pub(crate) enum Stopped {
+    /// The lease is known lost (the key gone or taken, or the manager shut down).
+    Lost(distlock::LockError),
+    /// No renewal confirmed the lease on this key in time: it may run out soon, and the
+    /// command had to be gone before it could.
+    Unconfirmed(String),
+}
+
+impl std::fmt::Display for Stopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Lost(error) => error.fmt(f),
+            Self::Unconfirmed(key) => write!(
+                f,
+                "the lease on `{key}` could not be renewed before it would run out"
+            ),
         }
     }
 }
 
+/// Waits for the command to exit, passing on every signal `distlock` receives meanwhile, and
+/// stops it (SIGTERM, then SIGKILL) so that it is gone before the lease of `guard` can end:
+/// when `lost` completes (SIGKILL at once: the lease is over), or when the lease has gone
+/// unconfirmed so long that only the grace period (see [`fitted_grace`]) is left of it.
+pub(crate) async fn supervise(
+    mut started: Started,
+    guard: &distlock::LockGuard,
+    lost: impl Future<Output = distlock::LockError>,
+    grace: Duration,
+    signals: &mut Signals,
+) -> Ended {
+    let margin = kill_margin(guard.ttl());
+    let before_end = fitted_grace(grace, guard.ttl()) + margin;
+    let kill_at = || tokio::time::Instant::now() + guard.remaining().saturating_sub(margin);
+    let mut lost = std::pin::pin!(lost);
+    let mut interrupted = None;
+    let mut paused = false;
+    loop {
+        // Looked at again after each renewal moved the lease on.
+        let unconfirmed = tokio::time::sleep(guard.remaining().saturating_sub(before_end));
+        let stopped = tokio::select! {
+            status = started.child.wait() => return Ended { status, lost: None, interrupted },
+            received = signals.recv() => {
+                paused = started.pass_on(received, paused);
+                if received.ends() {
+                    interrupted = Some(received);
+                }
+                continue;
+            }
+            error = &mut lost => Stopped::Lost(error),
+            () = unconfirmed => {
+                if guard.remaining() > before_end {
+                    continue;
+                }
+                Stopped::Unconfirmed(guard.key().to_owned())
+            }
+        };
+        let status = started.stop(kill_at(), signals).await;
+        return Ended {
+            status,
+            lost: Some(stopped),
+            interrupted,
+        };
+    }
+}
+
 impl Started {
-    /// SIGTERM, SIGKILL after `grace`; waits for the command to exit. Signals received
-    /// meanwhile are passed on.
-    async fn stop(&mut self, grace: Duration, signals: &mut Signals) -> io::Result<ExitStatus> {
-        self.send(Received(15));
-        let deadline = tokio::time::sleep(grace);
-        let mut deadline = std::pin::pin!(deadline);
-        loop {
-            tokio::select! {
-                status = self.child.wait() => return status,
-                received = signals.recv() => self.send(received),
-                () = &mut deadline => break,
+    /// Passes a signal on: one that ends as itself (continuing a stopped command, so that it
+    /// can act on it), SIGTSTP as SIGSTOP (which the command cannot ignore: it stays stopped
+    /// for as long as `distlock`, which does not stop, renews the lease), SIGCONT as itself.
+    /// Returns whether the command is stopped now.
+    fn pass_on(&mut self, received: Received, paused: bool) -> bool {
+        #[cfg(unix)]
+        match received {
+            TERMINAL_STOP => {
+                self.send(STOP);
+                return true;
+            }
+            CONTINUE => {
+                self.send(CONTINUE);
+                return false;
+            }
+            _ => {}
+        }
+        self.send(received);
+        #[cfg(unix)]
+        if paused {
+            self.send(CONTINUE);
+        }
+        false
+    }
+
+    /// SIGTERM (and SIGCONT, should it be stopped), SIGKILL at `kill_at` (at once if that has
+    /// passed); waits for the command to exit. Signals that end are passed on meanwhile.
+    async fn stop(
+        &mut self,
+        kill_at: tokio::time::Instant,
+        signals: &mut Signals,
+    ) -> io::Result<ExitStatus> {
+        if kill_at > tokio::time::Instant::now() {
+            self.send(TERMINATE);
+            #[cfg(unix)]
+            self.send(CONTINUE);
+            let deadline = tokio::time::sleep_until(kill_at);
+            let mut deadline = std::pin::pin!(deadline);
+            loop {
+                tokio::select! {
+                    status = self.child.wait() => return status,
+                    received = signals.recv() => if received.ends() {
+                        self.send(received);
+                    },
+                    () = &mut deadline => break,
+                }
             }
         }
         self.kill();
@@ -235,7 +406,7 @@ impl Started {
     /// SIGKILL to the command (its process group, if it has one).
     #[cfg(unix)]
     fn kill(&mut self) {
-        self.send(Received(9));
+        self.send(KILL);
     }
 
     /// Kills the command.

@@ -19,7 +19,8 @@ pub(crate) const BUSY: u8 = 75;
 /// The environment or an option was refused: a bad URL, key, ttl, or kind of lock for this
 /// deployment (`EX_CONFIG`).
 pub(crate) const CONFIG: u8 = 78;
-/// The lease (or leadership) was lost while the command ran: it was stopped.
+/// The lease (or leadership) was lost, or could not be renewed in time, while the command
+/// ran: it was stopped before the lease could end.
 pub(crate) const LOST: u8 = 111;
 /// The command was found but could not be started.
 pub(crate) const CANNOT_RUN: u8 = 126;
@@ -36,7 +37,8 @@ Exit codes:
   70       internal error
   75       busy: run skipped the command or gave up waiting (the holder is named on stderr)
   78       bad configuration: environment, URL, key or option refused
-  111      the lease or leadership was lost while the command ran; it was stopped
+  111      the lease or leadership was lost (or not renewed in time) while the command ran;
+           it was stopped
   126      the command could not be started
   127      the command was not found
   128+N    run/lead got signal N before the command started

@@ -33,7 +33,8 @@ pub(crate) enum Mode {
 /// What runs, and how it is stopped.
 #[derive(Args, Debug)]
 pub(crate) struct CommandArgs {
-    /// When the lock is lost: how long the command has between SIGTERM and SIGKILL.
+    /// When the lease is lost or unconfirmed: how long the command has between SIGTERM and
+    /// SIGKILL, shortened to what fits before the lease can end (under half of `--ttl`).
     #[arg(long, value_parser = parse_duration, default_value = "10s")]
     grace: Duration,
     /// Keep the command in distlock's process group, as for an interactive program that
@@ -129,7 +130,7 @@ impl RunArgs {
 pub(crate) async fn run(locks: &LockManager, args: &RunArgs, signals: &mut Signals) -> u8 {
     let taken = tokio::select! {
         taken = args.request(locks).acquire() => taken,
-        received = signals.recv() => return received.exit_code(),
+        received = signals.ending() => return received.exit_code(),
     };
     let guard = match taken {
         Ok(guard) => guard,
@@ -166,7 +167,7 @@ pub(crate) async fn run(locks: &LockManager, args: &RunArgs, signals: &mut Signa
             return code;
         }
     };
-    let ended = child::supervise(child, guard.lost(), args.command.grace, signals).await;
+    let ended = child::supervise(child, &guard, guard.lost(), args.command.grace, signals).await;
     finish_run(guard, &ended, &args.command.program()).await
 }
 
@@ -236,7 +237,7 @@ pub(crate) async fn lead(locks: &LockManager, args: &LeadArgs, signals: &mut Sig
     loop {
         let campaign = tokio::select! {
             campaign = election.campaign() => campaign,
-            received = signals.recv() => return received.exit_code(),
+            received = signals.ending() => return received.exit_code(),
         };
         let leadership = match campaign {
             Ok(leadership) => leadership,
@@ -248,7 +249,7 @@ pub(crate) async fn lead(locks: &LockManager, args: &LeadArgs, signals: &mut Sig
                 }
                 tokio::select! {
                     () = tokio::time::sleep(RETRY) => continue,
-                    received = signals.recv() => return received.exit_code(),
+                    received = signals.ending() => return received.exit_code(),
                 }
             }
             Err(error) => {
@@ -273,7 +274,14 @@ pub(crate) async fn lead(locks: &LockManager, args: &LeadArgs, signals: &mut Sig
                 return code;
             }
         };
-        let ended = child::supervise(child, leadership.lost(), args.command.grace, signals).await;
+        let ended = child::supervise(
+            child,
+            leadership.guard(),
+            leadership.lost(),
+            args.command.grace,
+            signals,
+        )
+        .await;
         if let Some(lost) = &ended.lost {
             eprintln!(
                 "distlock: leadership of `{}` (term {term}) lost: {lost}; stopped `{program}`",
@@ -299,7 +307,7 @@ pub(crate) async fn lead(locks: &LockManager, args: &LeadArgs, signals: &mut Sig
         // A command that keeps failing at once is started at most once a second.
         tokio::select! {
             () = tokio::time::sleep_until(started + TERM_AT_LEAST) => {}
-            received = signals.recv() => return received.exit_code(),
+            received = signals.ending() => return received.exit_code(),
         }
     }
 }

@@ -77,13 +77,15 @@ enum Command {
     ///
     /// The lease is renewed while CMD runs. CMD gets DISTLOCK_KEY, DISTLOCK_TOKEN and, with
     /// --fencing, DISTLOCK_FENCING_TOKEN in its environment, and runs in a process group of
-    /// its own. If the lease is lost, that group gets SIGTERM, then SIGKILL after --grace, and
-    /// `run` exits with 111. SIGINT and SIGTERM sent to `run` are passed on to CMD; the lock
-    /// is given back once it exits. Otherwise `run` exits with CMD's exit code.
+    /// its own. CMD is gone before the lease can end: once half the lease has passed without a
+    /// renewal, that group gets SIGTERM, then SIGKILL shortly before the lease would end
+    /// (--grace is shortened to fit), and `run` exits with 111; if the key is found gone or
+    /// taken, SIGKILL at once. SIGHUP, SIGINT, SIGQUIT and SIGTERM sent to `run` are passed
+    /// on to CMD; the lock is given back once it exits, and `run` exits with CMD's exit code.
+    /// SIGTSTP (Ctrl-Z) stops CMD (SIGSTOP) while `run` keeps the lease; SIGCONT continues it.
     ///
-    /// If `distlock` itself is killed (SIGKILL), CMD keeps running and the lock is kept until
-    /// its lease runs out. Signals are Unix's; elsewhere CMD is killed when the lease is lost
-    /// or on Ctrl-C.
+    /// On Linux, CMD is killed (SIGKILL) if `distlock` dies, even of SIGKILL. Signals are
+    /// Unix's; elsewhere CMD is killed when the lease is lost or on Ctrl-C.
     #[command(after_long_help = exit::TABLE)]
     Run(RunArgs),
     /// Campaigns in the election NAME, runs CMD while leading, and campaigns again when it
@@ -93,7 +95,7 @@ enum Command {
     /// earlier leader's, a fencing token) and DISTLOCK_TOKEN in its environment. If
     /// leadership is lost, CMD is stopped as `run` stops it, and `lead` campaigns again
     /// (with --once, exits with 111). After CMD ends on its own, leadership is given back at
-    /// once; with --once, or after a SIGINT or SIGTERM that `lead` passed on, `lead` then
+    /// once; with --once, or after a SIGHUP, SIGINT, SIGQUIT or SIGTERM that `lead` passed on, `lead` then
     /// exits with CMD's code, and otherwise campaigns again (a second after CMD started, at
     /// the earliest).
     #[command(after_long_help = exit::TABLE)]

@@ -5,7 +5,9 @@ use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 
-use crate::cli::{Running, finished, send_signal};
+use distlock::testing::{Fault, FaultProxy};
+
+use crate::cli::{Running, dead, finished, process_state, send_signal};
 use crate::support::{manager, raw, shared_server, unique_prefix};
 
 /// Says `leading TERM PID` (the shell's pid), then waits at most a minute, so that nothing
@@ -144,12 +146,111 @@ async fn once_runs_one_term_and_a_lost_leadership_stops_the_command() {
         .await
         .unwrap();
     assert_eq!(deleted, 1);
-    assert_eq!(lead.line().await, "term");
+    // Leadership is over: the command is killed at once, its trap unheard.
     let exited = lead.exit().await;
+    assert!(!exited.rest.contains(&"term".to_owned()), "{exited:?}");
     assert_eq!(exited.code, Some(111), "{exited:?}");
     assert!(
         exited.stderr.contains("leadership of `lost`"),
         "{}",
         exited.stderr
     );
+}
+
+/// SIGHUP and SIGQUIT end `lead` as SIGTERM does: the command gets the signal and is gone
+/// when `lead` exits, leadership given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_and_sigquit_end_the_leaders_command_and_resign() {
+    let server = shared_server();
+    let prefix = unique_prefix("cli-lead-hup");
+    let url = server.url();
+    for (signal, code) in [("HUP", 128 + 1), ("QUIT", 128 + 3)] {
+        let mut lead = Running::start(&url, &prefix, &["lead", "svc", "--", "sh", "-c", LEADING]);
+        let (_, pid) = leading(&lead.line().await);
+        lead.signal(signal);
+        let exited = lead.exit().await;
+        assert_eq!(exited.code, Some(code), "{signal}: {exited:?}");
+        assert_eq!(process_state(pid), None, "{signal}: the command is gone");
+        let nobody = finished(&url, &prefix, &["leader", "svc"]).await;
+        assert_eq!(nobody.code, Some(1), "{signal}: resigned: {nobody:?}");
+    }
+}
+
+/// A leader killed with SIGKILL takes its command with it (Linux: the parent-death signal).
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_to_lead_kills_the_command() {
+    let server = shared_server();
+    let prefix = unique_prefix("cli-lead-kill");
+    let script = r#"echo "leading $DISTLOCK_TERM $$"; exec sleep 60"#;
+    let args = ["lead", "svc", "--ttl", "2s", "--", "sh", "-c", script];
+    let mut lead = Running::start(&server.url(), &prefix, &args);
+    let (_, pid) = leading(&lead.line().await);
+    lead.signal("KILL");
+    dead(pid).await;
+    assert_eq!(lead.exit().await.code, None, "killed");
+}
+
+/// A leader cut off from Redis kills its command, which ignores SIGTERM, before its lease can
+/// end: the next leader's command never finds it alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_cut_off_from_redis_kills_its_command_before_another_leads() {
+    let server = shared_server();
+    let prefix = unique_prefix("cli-lead-cut");
+    let proxy = FaultProxy::start(server.port()).unwrap();
+    let script = r#"trap '' TERM; echo "leading $DISTLOCK_TERM $$"; exec sleep 60"#;
+    let args = [
+        "lead", "svc", "--ttl", "2s", "--once", "--", "sh", "-c", script,
+    ];
+    let mut first = Running::start(&proxy.url(), &prefix, &args);
+    let (term, pid) = leading(&first.line().await);
+    proxy.set(Fault::Blackhole);
+    let check = format!(
+        "echo $DISTLOCK_TERM; if [ -e /proc/{pid} ] && ! grep -q '^State:.*Z' /proc/{pid}/status; \
+         then echo overlap; else echo alone; fi"
+    );
+    let args = ["lead", "svc", "--once", "--", "sh", "-c", &check];
+    let second = finished(&server.url(), &prefix, &args).await;
+    assert_eq!(second.code, Some(0), "{second:?}");
+    assert_eq!(
+        second.rest[1], "alone",
+        "two leaders' commands at once: {second:?}"
+    );
+    assert!(second.rest[0].parse::<u64>().unwrap() > term, "{second:?}");
+    proxy.set(Fault::Pass);
+    let exited = first.exit().await;
+    assert_eq!(exited.code, Some(111), "{exited:?}");
+}
+
+/// Ctrl-Z stops the leader's command, not `lead`: leadership stays renewed while the command
+/// is stopped (another replica does not take over for several leases), and SIGCONT continues
+/// it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigtstp_stops_the_leaders_command_while_leadership_is_kept() {
+    let server = shared_server();
+    let prefix = unique_prefix("cli-lead-tstp");
+    let url = server.url();
+    let script = r#"echo "leading $DISTLOCK_TERM $$"; read line; echo "got $line"; exit 4"#;
+    let args = [
+        "lead", "svc", "--ttl", "1s", "--once", "--", "sh", "-c", script,
+    ];
+    let mut lead = Running::start(&url, &prefix, &args);
+    let (_, pid) = leading(&lead.line().await);
+    lead.signal("TSTP");
+    crate::cli::await_state(pid, "stopped", |state| state == Some('T')).await;
+    let mut other = Running::start(&url, &prefix, &["lead", "svc", "--", "sh", "-c", LEADING]);
+    // For three leases, nobody else leads beside the stopped command.
+    let others = tokio::time::timeout(Duration::from_secs(3), other.line()).await;
+    assert!(others.is_err(), "two leaders: {others:?}");
+    assert_eq!(process_state(pid), Some('T'), "still stopped");
+    lead.signal("CONT");
+    crate::cli::await_state(pid, "continued", |state| state != Some('T')).await;
+    lead.write("on\n").await;
+    assert_eq!(lead.line().await, "got on");
+    assert_eq!(lead.exit().await.code, Some(4));
+    // Resigned: the other replica leads now.
+    let (_, next) = leading(&other.line().await);
+    other.signal("TERM");
+    other.exit().await;
+    dead(next).await;
 }

@@ -2,9 +2,9 @@
 
 use std::time::{Duration, Instant};
 
-use distlock::testing::RedisServer;
+use distlock::testing::{Fault, FaultProxy, RedisServer};
 
-use crate::cli::{BOUND, Running, finished};
+use crate::cli::{BOUND, Running, await_state, dead, finished, process_state};
 use crate::support::{manager, raw, shared_server, unique_prefix};
 
 /// A shell command for `run`: `sh -c SCRIPT`.
@@ -175,17 +175,17 @@ async fn url_and_prefix_need_no_environment_and_win_over_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_lease_stops_the_command_within_one_renewal() {
+async fn a_lost_lease_kills_the_command_within_one_renewal() {
     let server = shared_server();
     let prefix = unique_prefix("cli-run-lost");
     let locks = manager(&server, &prefix).await;
-    // Renewed every 2 s (a third of the lease); the command ignores SIGTERM, so SIGKILL
-    // follows after the grace period.
+    // Renewed every 2 s (a third of the lease). The key is gone: another holder may already
+    // run, so the command is killed at once, whatever its grace and its trap.
     let (ttl, renewal) = ("6s", Duration::from_secs(2));
-    let script = format!("trap 'echo term' TERM; echo ready; {LOOP}");
-    let args = ["run", "lease", "--ttl", ttl, "--grace", "500ms"];
+    let script = format!("trap 'echo term' TERM; echo \"ready $$\"; {LOOP}");
+    let args = ["run", "lease", "--ttl", ttl, "--grace", "5s"];
     let mut run = Running::start(&server.url(), &prefix, &with_script(&args, &script));
-    assert_eq!(run.line().await, "ready");
+    let pid = ready_pid(&run.line().await);
     assert!(locks.inspect("lease").await.unwrap().is_some());
     let mut redis = raw(&server).await;
     let deleted: u32 = redis::cmd("DEL")
@@ -195,13 +195,13 @@ async fn a_lost_lease_stops_the_command_within_one_renewal() {
         .unwrap();
     assert_eq!(deleted, 1);
     let lost_at = Instant::now();
-    assert_eq!(run.line().await, "term");
+    dead(pid).await;
     let stopped_in = lost_at.elapsed();
     // One renewal interval, and a second for the round trips of a busy machine: well under
-    // the lease, which a run that did not renew would wait out.
+    // the grace period, which a run that waited it out would take.
     assert!(
         stopped_in < renewal + Duration::from_secs(1),
-        "SIGTERM {stopped_in:?} after the key was deleted"
+        "killed {stopped_in:?} after the key was deleted"
     );
     let exited = run.exit().await;
     assert_eq!(exited.code, Some(111), "{exited:?}");
@@ -211,6 +211,57 @@ async fn a_lost_lease_stops_the_command_within_one_renewal() {
         exited.stderr
     );
     assert!(locks.inspect("lease").await.unwrap().is_none());
+}
+
+/// The pid in a command's `ready PID` line.
+fn ready_pid(line: &str) -> u32 {
+    let pid = line
+        .strip_prefix("ready ")
+        .unwrap_or_else(|| panic!("{line}"));
+    pid.parse().unwrap_or_else(|_| panic!("{line}"))
+}
+
+/// Cut off from Redis, `run` hears of no loss; its command, which ignores SIGTERM and has the
+/// default grace of 10 s, is still killed before the lease can end: a second `run` that takes
+/// the lock once the lease has run out never finds it alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_cut_off_from_redis_kills_its_command_before_the_lease_can_end() {
+    let server = shared_server();
+    let prefix = unique_prefix("cli-run-cut");
+    let locks = manager(&server, &prefix).await;
+    let proxy = FaultProxy::start(server.port()).unwrap();
+    let script = format!("trap '' TERM; echo \"ready $$\"; {LOOP}");
+    let args = ["run", "cut", "--ttl", "2s"];
+    let mut first = Running::start(&proxy.url(), &prefix, &with_script(&args, &script));
+    let pid = ready_pid(&first.line().await);
+    assert!(locks.inspect("cut").await.unwrap().is_some(), "held");
+    proxy.set(Fault::Blackhole);
+    // Started at once, it waits for the lease to run out; its command looks at the first one
+    // the moment it starts (a zombie not yet reaped is dead already).
+    let check = format!(
+        "if [ -e /proc/{pid} ] && ! grep -q '^State:.*Z' /proc/{pid}/status; \
+         then echo overlap; else echo alone; fi"
+    );
+    let second = Running::start(
+        &server.url(),
+        &prefix,
+        &with_script(&["run", "cut"], &check),
+    );
+    let exited = second.exit().await;
+    assert_eq!(exited.code, Some(0), "{exited:?}");
+    assert_eq!(
+        exited.rest,
+        ["alone"],
+        "both commands ran at once: {exited:?}"
+    );
+    proxy.set(Fault::Pass);
+    let exited = first.exit().await;
+    assert_eq!(exited.code, Some(111), "{exited:?}");
+    assert!(
+        exited.stderr.contains("could not be renewed"),
+        "{}",
+        exited.stderr
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -274,4 +325,111 @@ async fn min_hold_keeps_a_second_run_in_the_same_window_from_running() {
     );
     assert!(second.stderr.contains("min-hold"), "{}", second.stderr);
     locks.force_release("report").await.unwrap();
+}
+
+/// SIGHUP (the terminal or the ssh session went away) and SIGQUIT end `run` as SIGTERM does:
+/// passed on to the command, which is gone when `run` exits, and the key is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_and_sigquit_end_the_command_and_free_the_key() {
+    let server = shared_server();
+    let prefix = unique_prefix("cli-run-hup");
+    let locks = manager(&server, &prefix).await;
+    for (signal, trap, code) in [
+        ("HUP", "trap 'echo bye; exit 6' HUP;", 6),
+        ("QUIT", "trap 'echo bye; exit 7' QUIT;", 7),
+        // Without a trap, the command dies of the signal, as a shell reports it.
+        ("HUP", "", 128 + 1),
+        ("QUIT", "", 128 + 3),
+    ] {
+        let script = format!("{trap} echo \"ready $$\"; {LOOP}");
+        let mut run = Running::start(
+            &server.url(),
+            &prefix,
+            &with_script(&["run", "svc"], &script),
+        );
+        let pid = ready_pid(&run.line().await);
+        assert!(locks.inspect("svc").await.unwrap().is_some(), "held");
+        run.signal(signal);
+        if !trap.is_empty() {
+            assert_eq!(run.line().await, "bye", "{signal}");
+        }
+        let exited = run.exit().await;
+        assert_eq!(exited.code, Some(code), "{signal}: {exited:?}");
+        assert_eq!(process_state(pid), None, "{signal}: the command is gone");
+        assert!(
+            locks.inspect("svc").await.unwrap().is_none(),
+            "{signal}: freed"
+        );
+    }
+}
+
+/// `run` killed with SIGKILL takes its command with it (Linux: the parent-death signal).
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_to_run_kills_the_command() {
+    let server = shared_server();
+    let prefix = unique_prefix("cli-run-kill");
+    let locks = manager(&server, &prefix).await;
+    let script = "echo \"ready $$\"; exec sleep 60";
+    let mut run = Running::start(
+        &server.url(),
+        &prefix,
+        &with_script(&["run", "svc", "--ttl", "2s"], script),
+    );
+    let pid = ready_pid(&run.line().await);
+    assert!(locks.inspect("svc").await.unwrap().is_some(), "held");
+    run.signal("KILL");
+    dead(pid).await;
+    let exited = run.exit().await;
+    assert_eq!(exited.code, None, "killed: {exited:?}");
+    // The key is left to its lease: a second run gets it once that has run out.
+    let next = finished(
+        &server.url(),
+        &prefix,
+        &with_script(&["run", "svc"], "echo ran"),
+    )
+    .await;
+    assert_eq!(
+        (next.code, next.rest.as_slice()),
+        (Some(0), &["ran".to_owned()][..])
+    );
+}
+
+/// Ctrl-Z stops the command, not `run`: the lease stays renewed while the command is stopped
+/// (another run gives up waiting for it, over several leases), and SIGCONT continues it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigtstp_stops_the_command_while_the_lease_is_kept_and_sigcont_continues_it() {
+    let server = shared_server();
+    let prefix = unique_prefix("cli-run-tstp");
+    let locks = manager(&server, &prefix).await;
+    let script = r#"echo "ready $$"; read line; echo "got $line"; exit 4"#;
+    let mut run = Running::start(
+        &server.url(),
+        &prefix,
+        &with_script(&["run", "job", "--ttl", "1s"], script),
+    );
+    let pid = ready_pid(&run.line().await);
+    run.signal("TSTP");
+    await_state(pid, "stopped", |state| state == Some('T')).await;
+    // Three leases of waiting: a lease left to run out would have let it in.
+    let args = ["run", "job", "--wait", "3s"];
+    let second = finished(&server.url(), &prefix, &with_script(&args, "echo ran")).await;
+    assert_eq!(
+        second.code,
+        Some(75),
+        "ran beside a stopped holder: {second:?}"
+    );
+    assert!(second.rest.is_empty(), "{second:?}");
+    assert_eq!(process_state(pid), Some('T'), "still stopped");
+    assert!(
+        process_state(run.pid()).is_some_and(|s| s != 'T'),
+        "run itself runs"
+    );
+    run.signal("CONT");
+    await_state(pid, "continued", |state| state != Some('T')).await;
+    run.write("on\n").await;
+    assert_eq!(run.line().await, "got on");
+    let exited = run.exit().await;
+    assert_eq!(exited.code, Some(4), "{exited:?}");
+    assert!(locks.inspect("job").await.unwrap().is_none(), "given back");
 }
