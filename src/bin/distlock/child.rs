@@ -152,7 +152,7 @@ pub(crate) fn spawn(
     match spawn.spawn() {
         Ok(child) => Ok(Started { child, group }),
         Err(error) => {
-            eprintln!(
+            say!(
                 "distlock: cannot run `{}`: {error}",
                 program.to_string_lossy()
             );
@@ -209,7 +209,7 @@ impl Ended {
         match &self.status {
             Ok(status) => status_code(*status),
             Err(error) => {
-                eprintln!("distlock: lost track of the command: {error}");
+                say!("distlock: lost track of the command: {error}");
                 exit::SOFTWARE
             }
         }
@@ -393,7 +393,7 @@ impl Started {
         if let Err(error) = sent
             && error != nix::errno::Errno::ESRCH
         {
-            eprintln!("distlock: cannot send {signal} to the command: {error}");
+            say!("distlock: cannot send {signal} to the command: {error}");
         }
     }
 

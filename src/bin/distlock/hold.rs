@@ -139,17 +139,17 @@ pub(crate) async fn run(locks: &LockManager, args: &RunArgs, signals: &mut Signa
             let program = args.command.program();
             let key = &args.key;
             match (args.on_busy, &error) {
-                (OnBusy::Skip, _) => eprintln!("distlock: {key} {held_by}; skipped `{program}`"),
-                (OnBusy::Wait, LockError::Busy { waited, .. }) => eprintln!(
+                (OnBusy::Skip, _) => say!("distlock: {key} {held_by}; skipped `{program}`"),
+                (OnBusy::Wait, LockError::Busy { waited, .. }) => say!(
                     "distlock: {key} {held_by}; gave up after {:.1}s; `{program}` not run",
                     waited.as_secs_f64()
                 ),
-                _ => eprintln!("distlock: {key} {held_by}; `{program}` not run"),
+                _ => say!("distlock: {key} {held_by}; `{program}` not run"),
             }
             return exit::BUSY;
         }
         Err(error) => {
-            eprintln!("distlock: {error}");
+            say!("distlock: {error}");
             return exit::of(&error);
         }
     };
@@ -175,20 +175,18 @@ pub(crate) async fn run(locks: &LockManager, args: &RunArgs, signals: &mut Signa
 async fn finish_run(guard: LockGuard, ended: &Ended, program: &str) -> u8 {
     let key = guard.key().to_owned();
     if let Some(lost) = &ended.lost {
-        eprintln!("distlock: {lost}; stopped `{program}`");
+        say!("distlock: {lost}; stopped `{program}`");
         return exit::LOST;
     }
     let code = ended.exit_code();
     match guard.release().await {
         Ok(()) => code,
         Err(error @ LockError::Lost { .. }) => {
-            eprintln!(
-                "distlock: `{program}` ended, but {error}: it did not hold `{key}` throughout"
-            );
+            say!("distlock: `{program}` ended, but {error}: it did not hold `{key}` throughout");
             exit::LOST
         }
         Err(error) => {
-            eprintln!(
+            say!(
                 "distlock: `{program}` ended; giving `{key}` back failed ({error}): its lease runs out by itself"
             );
             code
@@ -199,7 +197,7 @@ async fn finish_run(guard: LockGuard, ended: &Ended, program: &str) -> u8 {
 /// Gives a lock back whose command never ran.
 async fn give_back(guard: LockGuard) {
     if let Err(error) = guard.release().await {
-        eprintln!("distlock: {error}");
+        say!("distlock: {error}");
     }
 }
 
@@ -244,7 +242,7 @@ pub(crate) async fn lead(locks: &LockManager, args: &LeadArgs, signals: &mut Sig
             // Redis failing is waited out, unless a single term was asked for.
             Err(error @ LockError::Redis { .. }) if !args.once => {
                 if !warned {
-                    eprintln!("distlock: {error}; campaigning again");
+                    say!("distlock: {error}; campaigning again");
                     warned = true;
                 }
                 tokio::select! {
@@ -253,7 +251,7 @@ pub(crate) async fn lead(locks: &LockManager, args: &LeadArgs, signals: &mut Sig
                 }
             }
             Err(error) => {
-                eprintln!("distlock: {error}");
+                say!("distlock: {error}");
                 return exit::of(&error);
             }
         };
@@ -269,7 +267,7 @@ pub(crate) async fn lead(locks: &LockManager, args: &LeadArgs, signals: &mut Sig
             Ok(child) => child,
             Err(code) => {
                 if let Err(error) = leadership.resign().await {
-                    eprintln!("distlock: {error}");
+                    say!("distlock: {error}");
                 }
                 return code;
             }
@@ -283,7 +281,7 @@ pub(crate) async fn lead(locks: &LockManager, args: &LeadArgs, signals: &mut Sig
         )
         .await;
         if let Some(lost) = &ended.lost {
-            eprintln!(
+            say!(
                 "distlock: leadership of `{}` (term {term}) lost: {lost}; stopped `{program}`",
                 args.name
             );
@@ -296,7 +294,7 @@ pub(crate) async fn lead(locks: &LockManager, args: &LeadArgs, signals: &mut Sig
         let code = ended.exit_code();
         let resigned = leadership.resign().await;
         if let Err(error) = &resigned {
-            eprintln!("distlock: `{program}` ended; {error}");
+            say!("distlock: `{program}` ended; {error}");
         }
         if args.once || ended.interrupted.is_some() {
             return match resigned {

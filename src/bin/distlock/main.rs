@@ -6,6 +6,16 @@
 //! `DISTLOCK_CLUSTER`, `DISTLOCK_SENTINEL`, `DISTLOCK_REDLOCK`, the TLS files…); `--url` and
 //! `--prefix` override them, and are enough on their own. The exit codes are in [`exit`].
 
+/// Writes a line to stderr, as `eprintln!` does, but never panics when stderr is gone (a
+/// terminal closed by a dropped ssh session): `distlock` must go on supervising its command
+/// and give the lock back whether or not anyone can read what it says.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod child;
 mod exit;
 mod hold;
@@ -130,7 +140,7 @@ async fn main() -> ExitCode {
         Command::Run(_) | Command::Lead(_) => match child::Signals::listen() {
             Ok(signals) => Some(signals),
             Err(error) => {
-                eprintln!("distlock: cannot listen for signals: {error}");
+                say!("distlock: cannot listen for signals: {error}");
                 return ExitCode::from(exit::SOFTWARE);
             }
         },
@@ -139,7 +149,7 @@ async fn main() -> ExitCode {
     let locks = match connect(&cli).await {
         Ok(locks) => locks,
         Err(error) => {
-            eprintln!("distlock: {error}");
+            say!("distlock: {error}");
             return ExitCode::from(exit::of(&error));
         }
     };
@@ -152,7 +162,7 @@ async fn main() -> ExitCode {
     match code {
         Ok(code) => ExitCode::from(code),
         Err(error) => {
-            eprintln!("distlock: {error}");
+            say!("distlock: {error}");
             ExitCode::from(exit::of(&error))
         }
     }
