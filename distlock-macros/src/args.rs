@@ -142,16 +142,11 @@ impl Args {
                 meta,
             ),
             "wait" => set(&mut self.wait, duration_arg(meta, "wait")?, meta),
-            "retries" => {
-                let lit: LitInt = value(meta, "retries", "a whole number, as in `retries = 3`")?;
-                let retries = lit.base10_parse::<u32>().map_err(|_| {
-                    syn::Error::new(
-                        lit.span(),
-                        "`retries` must be a whole number from 0 to 4294967295",
-                    )
-                })?;
-                set(&mut self.retries, (lit, retries), meta)
-            }
+            "retries" => set(
+                &mut self.retries,
+                whole_number(meta, "retries", 3, 0)?,
+                meta,
+            ),
             "fencing" => set(&mut self.fencing, flag(meta, "fencing")?, meta),
             "watchdog" => set(&mut self.watchdog, flag(meta, "watchdog")?, meta),
             "reentrant" => set(&mut self.reentrant, flag(meta, "reentrant")?, meta),
@@ -159,38 +154,18 @@ impl Args {
             "max_hold" => set(&mut self.max_hold, duration_arg(meta, "max_hold")?, meta),
             "min_hold" => set(&mut self.min_hold, duration_arg(meta, "min_hold")?, meta),
             "on_lost" => {
-                let lit = string(meta, "on_lost")?;
-                let on_lost = match lit.value().as_str() {
-                    "abort" => OnLost::Abort,
-                    "error" => OnLost::Error,
-                    "continue" => OnLost::Continue,
-                    other => {
-                        return Err(syn::Error::new(
-                            lit.span(),
-                            format!(
-                                "unknown `on_lost` value {other:?}: expected `\"abort\"`, \
-                                 `\"error\"` or `\"continue\"`"
-                            ),
-                        ));
-                    }
-                };
-                set(&mut self.on_lost, (lit, on_lost), meta)
+                let choices = [
+                    ("abort", OnLost::Abort),
+                    ("error", OnLost::Error),
+                    ("continue", OnLost::Continue),
+                ];
+                let on_lost = choice(meta, "on_lost", "`on_lost` value", &choices)?;
+                set(&mut self.on_lost, on_lost, meta)
             }
             "on_busy" => {
-                let lit = string(meta, "on_busy")?;
-                let on_busy = match lit.value().as_str() {
-                    "error" => OnBusy::Error,
-                    "skip" => OnBusy::Skip,
-                    other => {
-                        return Err(syn::Error::new(
-                            lit.span(),
-                            format!(
-                                "unknown `on_busy` value {other:?}: expected `\"error\"` or `\"skip\"`"
-                            ),
-                        ));
-                    }
-                };
-                set(&mut self.on_busy, (lit, on_busy), meta)
+                let choices = [("error", OnBusy::Error), ("skip", OnBusy::Skip)];
+                let on_busy = choice(meta, "on_busy", "`on_busy` value", &choices)?;
+                set(&mut self.on_busy, on_busy, meta)
             }
             "guard" => {
                 let ident: Ident = value(
@@ -205,70 +180,60 @@ impl Args {
                 set(&mut self.manager, expr, meta)
             }
             "mode" => {
-                let lit = string(meta, "mode")?;
-                let mode = match lit.value().as_str() {
-                    "read" => Mode::Read,
-                    "write" => Mode::Write,
-                    other => {
-                        return Err(syn::Error::new(
-                            lit.span(),
-                            format!("unknown `mode` {other:?}: expected `\"read\"` or `\"write\"`"),
-                        ));
-                    }
-                };
-                set(&mut self.mode, (lit, mode), meta)
+                let choices = [("read", Mode::Read), ("write", Mode::Write)];
+                set(
+                    &mut self.mode,
+                    choice(meta, "mode", "`mode`", &choices)?,
+                    meta,
+                )
             }
-            "permits" => {
-                let lit: LitInt = value(meta, "permits", "a whole number, as in `permits = 4`")?;
-                let permits = match lit.base10_parse::<u32>() {
-                    Ok(0) | Err(_) => {
-                        return Err(syn::Error::new(
-                            lit.span(),
-                            "`permits` must be a whole number from 1 to 4294967295",
-                        ));
-                    }
-                    Ok(n) => n,
-                };
-                set(&mut self.permits, (lit, permits), meta)
-            }
-            _ => {
-                if meta.input.peek(syn::Token![=]) {
-                    let _: Expr = meta.value()?.parse()?;
-                }
-                Err(meta.error(format!(
-                    "unknown argument `{name}`; expected one of {KNOWN}"
-                )))
-            }
+            "permits" => set(
+                &mut self.permits,
+                whole_number(meta, "permits", 4, 1)?,
+                meta,
+            ),
+            _ => Err(unknown(meta, &name)),
         }
     }
 
     /// Options that cannot all be meant: reported at the later one.
     fn check_conflicts(&self, errors: &mut Errors) {
-        if self.keys.is_some() {
-            // A set is a set of exclusive locks: the options of other kinds are reported on
-            // themselves, wherever they stand.
-            if let Some((mode, _)) = &self.mode {
-                errors.push(syn::Error::new(
-                    mode.span(),
-                    "`mode` cannot be combined with `keys`: a set of locks is taken exclusively; \
-                     remove `mode`, or lock each key on its own",
-                ));
-            }
-            if let Some((permits, _)) = &self.permits {
-                errors.push(syn::Error::new(
-                    permits.span(),
-                    "`permits` cannot be combined with `keys`: a set of locks is taken exclusively; \
-                     remove `permits`, or take each semaphore on its own",
-                ));
-            }
-            if let Some(min_hold) = &self.min_hold {
-                errors.push(syn::Error::new(
-                    min_hold.lit.span(),
-                    "`min_hold` cannot be combined with `keys`: it applies to single locks; \
-                     remove `min_hold`, or use `key`",
-                ));
-            }
+        self.check_set(errors);
+        self.check_kind(errors);
+        self.check_timing(errors);
+    }
+
+    /// A set is a set of exclusive locks: the options of other kinds are reported on
+    /// themselves, wherever they stand.
+    fn check_set(&self, errors: &mut Errors) {
+        if self.keys.is_none() {
+            return;
         }
+        if let Some((mode, _)) = &self.mode {
+            errors.push(syn::Error::new(
+                mode.span(),
+                "`mode` cannot be combined with `keys`: a set of locks is taken exclusively; \
+                 remove `mode`, or lock each key on its own",
+            ));
+        }
+        if let Some((permits, _)) = &self.permits {
+            errors.push(syn::Error::new(
+                permits.span(),
+                "`permits` cannot be combined with `keys`: a set of locks is taken exclusively; \
+                 remove `permits`, or take each semaphore on its own",
+            ));
+        }
+        if let Some(min_hold) = &self.min_hold {
+            errors.push(syn::Error::new(
+                min_hold.lit.span(),
+                "`min_hold` cannot be combined with `keys`: it applies to single locks; \
+                 remove `min_hold`, or use `key`",
+            ));
+        }
+    }
+
+    /// The kind of lock: a semaphore, a read-write lock, a fair lock, and what each allows.
+    fn check_kind(&self, errors: &mut Errors) {
         if let (Some(_), Some((permits, _))) = (&self.mode, &self.permits) {
             errors.push(syn::Error::new(
                 permits.span(),
@@ -281,26 +246,11 @@ impl Args {
                 "semaphore permits are not reentrant: every call takes its own permit; remove `reentrant`",
             ));
         }
-        if let Some(fair) = &self.fair {
-            let other = if self.keys.is_some() {
-                Some("`keys`: a set of locks is taken all at once, not in a queue")
-            } else if self.mode.is_some() {
-                Some("`mode`: fair locks are exclusive")
-            } else if self.permits.is_some() {
-                Some("`permits`: fair locks are exclusive")
-            } else if self.fencing.is_some() {
-                Some("`fencing`: fair locks do not draw fencing tokens")
-            } else if self.min_hold.is_some() {
-                Some("`min_hold`: a fair lock goes to the next waiter when released")
-            } else {
-                None
-            };
-            if let Some(other) = other {
-                errors.push(syn::Error::new(
-                    fair.span(),
-                    format!("`fair` cannot be combined with {other}; remove one of them"),
-                ));
-            }
+        if let (Some(fair), Some(other)) = (&self.fair, self.unfair()) {
+            errors.push(syn::Error::new(
+                fair.span(),
+                format!("`fair` cannot be combined with {other}; remove one of them"),
+            ));
         }
         let shared = matches!(self.mode, Some((_, Mode::Read))) || self.permits.is_some();
         if let (Some(min_hold), true) = (&self.min_hold, shared) {
@@ -309,6 +259,27 @@ impl Args {
                 "`min_hold` applies to exclusive and write locks, not to read locks or permits",
             ));
         }
+    }
+
+    /// The first option given that a fair lock cannot have, and why.
+    fn unfair(&self) -> Option<&'static str> {
+        if self.keys.is_some() {
+            Some("`keys`: a set of locks is taken all at once, not in a queue")
+        } else if self.mode.is_some() {
+            Some("`mode`: fair locks are exclusive")
+        } else if self.permits.is_some() {
+            Some("`permits`: fair locks are exclusive")
+        } else if self.fencing.is_some() {
+            Some("`fencing`: fair locks do not draw fencing tokens")
+        } else if self.min_hold.is_some() {
+            Some("`min_hold`: a fair lock goes to the next waiter when released")
+        } else {
+            None
+        }
+    }
+
+    /// Durations and retries that have no effect, or defeat each other.
+    fn check_timing(&self, errors: &mut Errors) {
         if let (Some(max_hold), None) = (&self.max_hold, &self.watchdog) {
             errors.push(syn::Error::new(
                 max_hold.lit.span(),
@@ -340,6 +311,65 @@ impl Args {
                 ));
             }
         }
+    }
+}
+
+/// An argument no one knows (its value, if any, is read first so the error stands at the name).
+fn unknown(meta: &ParseNestedMeta<'_>, name: &str) -> syn::Error {
+    if meta.input.peek(syn::Token![=])
+        && let Err(error) = meta.value().and_then(|value| value.parse::<Expr>())
+    {
+        return error;
+    }
+    meta.error(format!(
+        "unknown argument `{name}`; expected one of {KNOWN}"
+    ))
+}
+
+/// A string argument that names one of `choices` (`what` is how an unknown one is called):
+/// its literal, for spans, and the choice.
+fn choice<T: Copy>(
+    meta: &ParseNestedMeta<'_>,
+    name: &str,
+    what: &str,
+    choices: &[(&str, T)],
+) -> syn::Result<(LitStr, T)> {
+    let lit = string(meta, name)?;
+    let given = lit.value();
+    if let Some(&(_, choice)) = choices.iter().find(|(word, _)| *word == given) {
+        return Ok((lit, choice));
+    }
+    let words: Vec<String> = choices
+        .iter()
+        .map(|(word, _)| format!("`{word:?}`"))
+        .collect();
+    let expected = match words.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    };
+    Err(syn::Error::new(
+        lit.span(),
+        format!("unknown {what} {given:?}: expected {expected}"),
+    ))
+}
+
+/// A whole-number argument from `min` up, such as `retries = 3` (`example` is the 3): its
+/// literal, for spans, and the number.
+fn whole_number(
+    meta: &ParseNestedMeta<'_>,
+    name: &str,
+    example: u32,
+    min: u32,
+) -> syn::Result<(LitInt, u32)> {
+    let expected = format!("a whole number, as in `{name} = {example}`");
+    let lit: LitInt = value(meta, name, &expected)?;
+    match lit.base10_parse::<u32>() {
+        Ok(n) if n >= min => Ok((lit, n)),
+        _ => Err(syn::Error::new(
+            lit.span(),
+            format!("`{name}` must be a whole number from {min} to 4294967295"),
+        )),
     }
 }
 

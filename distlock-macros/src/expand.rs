@@ -6,7 +6,7 @@ use proc_macro2::{Literal, Span, TokenStream};
 use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::visit_mut::VisitMut;
-use syn::{AttrStyle, Ident, Type};
+use syn::{AttrStyle, Block, Ident, Type};
 
 use crate::args::{self, Args, Mode, OnBusy, OnLost};
 use crate::check::{self, LockFn};
@@ -36,22 +36,134 @@ pub(crate) fn distributed_lock(args: TokenStream, item: TokenStream) -> TokenStr
     }
 }
 
+/// The names the expansion introduces, at mixed-site hygiene: the body cannot see them.
+struct Names {
+    guard: Ident,
+    output: Ident,
+    manager: Ident,
+    error: Ident,
+    fake: Ident,
+}
+
+impl Names {
+    fn new() -> Self {
+        let mixed = Span::mixed_site();
+        Self {
+            guard: Ident::new("__distlock_guard", mixed),
+            output: Ident::new("__distlock_output", mixed),
+            manager: Ident::new("__distlock_manager", mixed),
+            error: Ident::new("__distlock_error", mixed),
+            fake: Ident::new("__distlock_return", mixed),
+        }
+    }
+}
+
+/// The function's return type as the expansion uses it.
+struct Return {
+    /// Where failures are reported: the written return type.
+    span: Span,
+    /// The return type with every `impl Trait` as `_`, as a `let` can name it.
+    erased: Type,
+    /// The return of a lock error (`error`) in that type.
+    fail: TokenStream,
+}
+
+impl Return {
+    fn of(function: &LockFn, error: &Ident) -> Self {
+        let ret = function.return_type();
+        let span = ret.span();
+        let erased = erase_impl_trait(ret.clone());
+        let fail = quote_spanned! {span=>
+            <#erased as ::distlock::__private::LockReturn>::from_lock_error(#error)
+        };
+        Self { span, erased, fail }
+    }
+}
+
+/// The function as written, with its body replaced by [`gen_block`]'s.
 fn expand(args: Args, function: LockFn) -> TokenStream {
-    let mixed = Span::mixed_site();
-    let guard = Ident::new("__distlock_guard", mixed);
-    let output = Ident::new("__distlock_output", mixed);
-    let manager = Ident::new("__distlock_manager", mixed);
-    let error = Ident::new("__distlock_error", mixed);
-    let fake = Ident::new("__distlock_return", mixed);
+    let names = Names::new();
+    let ret = Return::of(&function, &names.error);
+    let body = gen_block(&args, &names, &ret, &function.block);
+    gen_function(function, body)
+}
 
-    let ret = function.return_type();
-    let ret_span = ret.span();
-    let ret_erased = erase_impl_trait(ret.clone());
-    let fail = quote_spanned! {ret_span=>
-        <#ret_erased as ::distlock::__private::LockReturn>::from_lock_error(#error)
-    };
+/// The function's attributes, visibility and signature around `body`; its inner attributes
+/// stay first in the body.
+fn gen_function(function: LockFn, body: TokenStream) -> TokenStream {
+    let LockFn {
+        attrs, vis, sig, ..
+    } = function;
+    let (inner, outer): (Vec<_>, Vec<_>) = attrs
+        .into_iter()
+        .partition(|attr| matches!(attr.style, AttrStyle::Inner(_)));
+    quote! {
+        #(#outer)*
+        #vis #sig {
+            #(#inner)*
+            #body
+        }
+    }
+}
 
-    let get_manager = match &args.manager {
+/// The new body: take the manager, acquire, run the written body, release, return.
+fn gen_block(args: &Args, names: &Names, ret: &Return, block: &Block) -> TokenStream {
+    let Names {
+        guard,
+        output,
+        manager,
+        error,
+        fake,
+    } = names;
+    let (ret_erased, fail) = (&ret.erased, &ret.fail);
+    let get_manager = gen_manager(args, names, fail);
+    let (request, guard_type, acquire) = gen_request(args);
+    let options = gen_options(args);
+    let on_lost = gen_on_lost(args);
+    let on_error = gen_on_error(args, names, ret);
+    let bind_guard = args
+        .guard
+        .as_ref()
+        .map(|name| quote!(let #name: &#guard_type = &#guard;));
+    let stmts = &block.stmts;
+
+    quote! {
+        #get_manager
+        let #guard = match ::distlock::__private::#acquire(
+            #manager.#request #options
+        ).await {
+            ::core::result::Result::Ok(#guard) => #guard,
+            #on_error
+        };
+        #bind_guard
+        let #output = ::distlock::__private::run(&#guard, #on_lost, async move {
+            // Gives the block the function's return type, so `?` and `return` inside
+            // it convert exactly as they would in the original body.
+            #[allow(unreachable_code, clippy::diverging_sub_expression, clippy::empty_loop)]
+            if false {
+                let #fake: #ret_erased = loop {};
+                return #fake;
+            }
+            #(#stmts)*
+        })
+        .await;
+        let #output = match #output {
+            ::core::result::Result::Ok(#output) => #output,
+            ::core::result::Result::Err(#error) => return #fail,
+        };
+        if let ::core::result::Result::Err(#error) =
+            ::distlock::__private::release(#guard, #on_lost).await
+        {
+            return #fail;
+        }
+        #output
+    }
+}
+
+/// Binds the manager: the `manager = …` expression, or the installed one.
+fn gen_manager(args: &Args, names: &Names, fail: &TokenStream) -> TokenStream {
+    let Names { manager, error, .. } = names;
+    match &args.manager {
         // Taking `&(expr)` lets `manager = self.locks` name a field without moving it.
         Some(expr) => quote_spanned! {expr.span()=>
             #[allow(clippy::needless_borrows_for_generic_args)]
@@ -63,11 +175,13 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
                 ::core::result::Result::Err(#error) => return #fail,
             };
         },
-    };
+    }
+}
 
-    // One lock, or a set of locks taken together (`keys`): what to request, and the
-    // `__private` function that takes that kind of guard.
-    let (request, guard_type, acquire) = match (&args.key, &args.keys) {
+/// One lock, or a set of locks taken together (`keys`): what to request, the guard's type,
+/// and the `__private` function that takes that kind of guard.
+fn gen_request(args: &Args) -> (TokenStream, TokenStream, TokenStream) {
+    match (&args.key, &args.keys) {
         (_, Some(templates)) => {
             let keys = templates.iter().map(|t| {
                 let key = t.expr();
@@ -104,7 +218,11 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
             )
         }
         (None, None) => unreachable!("`key` or `keys` is required by `args::parse`"),
-    };
+    }
+}
+
+/// The request's builder calls, one per option given.
+fn gen_options(args: &Args) -> TokenStream {
     let mut options = TokenStream::new();
     let millis = |lit: &syn::LitStr, ms: u64| {
         let ms = Literal::u64_unsuffixed(ms);
@@ -146,8 +264,13 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
         let d = millis(&min_hold.lit, min_hold.millis);
         options.extend(quote!(.min_hold(#d)));
     }
-    // Without a watchdog a lease is expected to cover the body; with one, a lost lease means
-    // another owner may be inside, so the body is stopped unless told otherwise.
+    options
+}
+
+/// What a lost lease does to the body. Without a watchdog a lease is expected to cover the
+/// body; with one, a lost lease means another owner may be inside, so the body is stopped
+/// unless told otherwise.
+fn gen_on_lost(args: &Args) -> TokenStream {
     let on_lost = match args.on_lost.as_ref().map(|(_, v)| *v) {
         Some(OnLost::Abort) => quote!(Abort),
         Some(OnLost::Error) => quote!(Error),
@@ -155,9 +278,15 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
         None if args.watchdog.is_some() => quote!(Abort),
         None => quote!(Continue),
     };
-    let on_lost = quote!(::distlock::__private::OnLost::#on_lost);
+    quote!(::distlock::__private::OnLost::#on_lost)
+}
 
-    let on_error = match &args.on_busy {
+/// The match arms for a failed acquire: skip the body when busy (`on_busy = "skip"`), or
+/// return the error.
+fn gen_on_error(args: &Args, names: &Names, ret: &Return) -> TokenStream {
+    let error = &names.error;
+    let (ret_span, ret_erased, fail) = (ret.span, &ret.erased, &ret.fail);
+    match &args.on_busy {
         Some((_, OnBusy::Skip)) => quote_spanned! {ret_span=>
             ::core::result::Result::Err(#error) if #error.is_busy() => {
                 return <#ret_erased as ::distlock::__private::SkipReturn>::skipped();
@@ -167,58 +296,6 @@ fn expand(args: Args, function: LockFn) -> TokenStream {
         Some((_, OnBusy::Error)) | None => quote! {
             ::core::result::Result::Err(#error) => return #fail,
         },
-    };
-
-    let bind_guard = args
-        .guard
-        .as_ref()
-        .map(|name| quote!(let #name: &#guard_type = &#guard;));
-
-    let LockFn {
-        attrs,
-        vis,
-        sig,
-        block,
-    } = function;
-    let (inner, outer): (Vec<_>, Vec<_>) = attrs
-        .into_iter()
-        .partition(|attr| matches!(attr.style, AttrStyle::Inner(_)));
-    let stmts = &block.stmts;
-
-    quote! {
-        #(#outer)*
-        #vis #sig {
-            #(#inner)*
-            #get_manager
-            let #guard = match ::distlock::__private::#acquire(
-                #manager.#request #options
-            ).await {
-                ::core::result::Result::Ok(#guard) => #guard,
-                #on_error
-            };
-            #bind_guard
-            let #output = ::distlock::__private::run(&#guard, #on_lost, async move {
-                // Gives the block the function's return type, so `?` and `return` inside
-                // it convert exactly as they would in the original body.
-                #[allow(unreachable_code, clippy::diverging_sub_expression, clippy::empty_loop)]
-                if false {
-                    let #fake: #ret_erased = loop {};
-                    return #fake;
-                }
-                #(#stmts)*
-            })
-            .await;
-            let #output = match #output {
-                ::core::result::Result::Ok(#output) => #output,
-                ::core::result::Result::Err(#error) => return #fail,
-            };
-            if let ::core::result::Result::Err(#error) =
-                ::distlock::__private::release(#guard, #on_lost).await
-            {
-                return #fail;
-            }
-            #output
-        }
     }
 }
 

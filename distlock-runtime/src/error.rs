@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::holder::HolderIdentity;
+
 /// What went wrong while taking, holding or giving back a lock.
 ///
 /// Match on the variant to tell the cases apart: [`Busy`](Self::Busy) means another owner
@@ -29,7 +31,7 @@ pub enum LockError {
         holder_token: Option<String>,
         /// Who the holder is (`orders-api on host-3, pid 4242`), when the server named the
         /// holder and its manager's registration was there to read.
-        holder: Option<Box<crate::HolderIdentity>>,
+        holder: Option<Box<HolderIdentity>>,
     },
 
     /// The lease is no longer held by this owner: it expired, or the key was deleted or taken
@@ -145,7 +147,7 @@ pub enum LockError {
 }
 
 /// The end of a busy error's message: who holds the lock, when known.
-fn held_by(holder: Option<&crate::HolderIdentity>, token: Option<&str>) -> String {
+fn held_by(holder: Option<&HolderIdentity>, token: Option<&str>) -> String {
     match (holder, token) {
         (Some(holder), _) => format!(" (held by {holder})"),
         (None, Some(token)) => format!(" (held by {token}, an unknown or gone manager)"),

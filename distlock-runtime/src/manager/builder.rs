@@ -315,7 +315,7 @@ impl LockManagerBuilder {
         let client_name = self.resolved_client_name()?;
         let registry = Arc::new(crate::identity::Registry::new(
             &self.prefix,
-            crate::identity::HolderIdentity::current(&manager_id, client_name.clone()),
+            crate::holder::HolderIdentity::current(&manager_id, client_name.clone()),
         ));
         let options = self.connect_options(&manager_id, &client_name, &driver);
         let timeouts = (options.connect_timeout, options.response_timeout);
@@ -354,12 +354,12 @@ impl LockManagerBuilder {
         match (&self.client_name, std::env::var("DISTLOCK_CLIENT_NAME")) {
             (Some(name), _) => Ok(name.clone()),
             (None, Ok(name)) => {
-                crate::identity::check_client_name(&name).map_err(|reason| {
+                crate::holder::check_client_name(&name).map_err(|reason| {
                     LockError::Config(format!("DISTLOCK_CLIENT_NAME {reason}"))
                 })?;
                 Ok(name)
             }
-            (None, Err(_)) => Ok(crate::identity::default_client_name()),
+            (None, Err(_)) => Ok(crate::holder::default_client_name()),
         }
     }
 
@@ -442,7 +442,7 @@ impl LockManagerBuilder {
         check_timeout(self.connect_timeout).map_err(|r| config("`connect_timeout`", r))?;
         check_timeout(self.response_timeout).map_err(|r| config("`response_timeout`", r))?;
         if let Some(name) = &self.client_name {
-            crate::identity::check_client_name(name)
+            crate::holder::check_client_name(name)
                 .map_err(|reason| config("`client_name`", reason))?;
         }
         Ok(())

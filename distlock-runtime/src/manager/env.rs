@@ -143,7 +143,7 @@ impl Vars {
             builder = builder.key_prefix(prefix);
         }
         if let Some(name) = get("DISTLOCK_CLIENT_NAME") {
-            crate::identity::check_client_name(name)
+            crate::holder::check_client_name(name)
                 .map_err(|reason| config("DISTLOCK_CLIENT_NAME", reason))?;
             builder = builder.client_name(name);
         }

