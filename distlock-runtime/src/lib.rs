@@ -86,6 +86,7 @@ mod id_map;
 mod identity;
 pub mod inspect;
 mod key;
+mod kind;
 mod lease;
 mod lock;
 mod manager;

@@ -32,7 +32,7 @@ use std::time::Instant;
 
 #[cfg(feature = "metrics")]
 use crate::LockError;
-use crate::request::RequestKind;
+use crate::kind::RequestKind;
 
 /// Counter: attempts sent to Redis.
 pub const ACQUIRE_ATTEMPTS: &str = "distlock_acquire_attempts_total";

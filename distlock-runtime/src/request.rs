@@ -7,8 +7,8 @@ use std::future::Future;
 use std::time::Duration;
 
 use crate::LockError;
-use crate::context::HoldKind;
 use crate::key::Keys;
+pub(crate) use crate::kind::RequestKind;
 use crate::lease::{MAX_TTL, check_ttl};
 use crate::manager::LockManager;
 use crate::metrics::Labels;
@@ -35,31 +35,6 @@ pub type MultiLockRequest<'m> = LockRequest<'m, KeySet>;
 pub struct Single {
     pub(crate) kind: RequestKind,
     pub(crate) key: String,
-}
-
-/// Which kind of lock a request asks for. A granted request holds it as a [`HoldKind`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum RequestKind {
-    /// An exclusive lock.
-    Exclusive,
-    /// The read side of a read-write lock.
-    Read,
-    /// The write side of a read-write lock.
-    Write,
-    /// One permit of a semaphore of this many.
-    Permits(u32),
-}
-
-impl RequestKind {
-    /// How a grant of this request is held: the write side of a read-write lock as an
-    /// exclusive lock, one permit of any semaphore as a permit.
-    pub(crate) fn hold_kind(self) -> HoldKind {
-        match self {
-            Self::Exclusive | Self::Write => HoldKind::Exclusive,
-            Self::Read => HoldKind::Read,
-            Self::Permits(_) => HoldKind::Permit,
-        }
-    }
 }
 
 /// What a [`MultiLockRequest`] is for: the exclusive locks of several keys, as named.
