@@ -138,7 +138,31 @@ async fn take_set(manager: &LockManager, plan: Plan<Vec<Keys>>) -> Result<MultiG
     let guard = grant_set(manager, &plan, taken, acquired);
     // The waiters behind see the holder until the guard exists.
     drop(ticket);
-    Ok(guard)
+    still_nested(guard, attempts > 1).await
+}
+
+/// A set whose nested holds may have ended while it waited for its other locks (`waited`)
+/// is granted only if each is still this owner's on the server; otherwise the set is given
+/// back and the request answers [`LockError::Lost`] for that key, as a nested acquire of a
+/// lost hold does.
+async fn still_nested(guard: MultiGuard, waited: bool) -> Result<MultiGuard, LockError> {
+    let mut lost = None;
+    for nested in &guard.nested {
+        let gone = nested.is_lost() || (waited && !nested.is_held().await?);
+        if gone {
+            nested.held().lease.mark_lost();
+            lost = Some(nested.key().to_owned());
+            break;
+        }
+    }
+    match lost {
+        None => Ok(guard),
+        Some(key) => {
+            // Its own locks go back now; the lost nested hold reports itself.
+            let _ = guard.release().await;
+            Err(LockError::Lost { key })
+        }
+    }
 }
 
 /// What a set request took: its keys, the locks it took itself and their fencing tokens, and
