@@ -204,15 +204,13 @@ impl History {
             .filter(|h| h.holder != holder && h.valid_until > now && lost_in_failover(h))
             .count();
         state.excused += excused as u64;
-        // An entry whose lease is known lost already (a hold nested in an outer hold that ran
-        // out meanwhile: a set re-entering it, say) is promised nothing: it conflicts with
-        // nobody.
+        // Every grant is checked, a nested one too: a nested acquire of a hold that ran out,
+        // was lost or was taken away must be refused, not granted with nothing left.
         let live: Vec<(Kind, String)> = state
             .holders
             .get(key)
             .into_iter()
             .flatten()
-            .filter(|_| valid_until > now)
             .filter(|h| h.holder != holder && h.valid_until > now && !lost_in_failover(h))
             .map(|h| (h.kind, h.holder.clone()))
             .collect();
@@ -269,6 +267,16 @@ impl History {
                 key: key.to_owned(),
                 id,
             };
+        }
+        // A hold taken away is lost for good: no acquire nested in it may be granted.
+        if let Some(&(stolen, _)) = state.robbed.get(&owner) {
+            drop(state);
+            self.violation(format!(
+                "lost: {who} was granted {key} as {kind:?} by a nested acquire of a hold taken \
+                 away {:?} before (a refusal, `LockError::Lost`, is required)",
+                now.saturating_duration_since(stolen)
+            ));
+            state = self.lock();
         }
         let cap = state.lease_caps.entry(owner.clone()).or_default();
         *cap = (*cap).max(guard.ttl());
@@ -440,6 +448,40 @@ impl History {
         covered
     }
 
+    /// `key` has been free in Redis since `free` (the monitor's samples): if a request sleeps
+    /// in `acquire()` for it, and nobody entered it, for longer than `STARVED` plus the fault
+    /// allowance, that is a liveness violation.
+    pub(super) fn starved(&self, key: &str, free: Instant, now: Instant) -> Judged {
+        let state = self.lock();
+        let oldest_waiter = state
+            .waiting
+            .values()
+            .filter(|(keys, _, _)| keys.len() == 1 && keys[0] == key)
+            .min_by_key(|(_, since, _)| *since)
+            .map(|(_, since, who)| (*since, who.clone()));
+        let Some((waiting_since, who)) = oldest_waiter else {
+            return Judged::NobodyWaits;
+        };
+        let last_entry = state.last_entry.get(key).copied();
+        drop(state);
+        let from = [Some(free), Some(waiting_since), last_entry]
+            .into_iter()
+            .flatten()
+            .max()
+            .unwrap_or(free);
+        let starved = now.saturating_duration_since(from);
+        let allowed = self.allowance(from, now);
+        if starved > STARVED && starved > STARVED + allowed {
+            self.violation(format!(
+                "liveness: {key} free in Redis for {starved:?}, entered by nobody, while {who} \
+                 waited for it (since {:?} ago; {allowed:?} of it in faults or stalls)",
+                now.saturating_duration_since(waiting_since)
+            ));
+            return Judged::Starved;
+        }
+        Judged::Fine
+    }
+
     pub(super) fn report(&self, seed: u64, topology: &str) {
         let state = self.lock();
         println!(
@@ -483,6 +525,17 @@ impl History {
             );
         }
     }
+}
+
+/// What `History::starved` found of a free key.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Judged {
+    /// Nobody sleeps waiting for it.
+    NobodyWaits,
+    /// A waiter sleeps, for no longer than the bound so far.
+    Fine,
+    /// A waiter slept past the bound: a violation was recorded.
+    Starved,
 }
 
 pub(super) fn push_recent(state: &mut State, event: String) {
@@ -615,3 +668,6 @@ impl SetEntry {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -120,32 +120,13 @@ pub(super) async fn monitor(
                 world.history.violation(what);
                 state = world.history.lock();
             }
-            let oldest_waiter = state
-                .waiting
-                .values()
-                .filter(|(keys, _, _)| keys.len() == 1 && keys[0] == key)
-                .min_by_key(|(_, since, _)| *since)
-                .map(|(_, since, who)| (*since, who.clone()));
-            let (Some(-2), Some((waiting_since, who))) = (pttl, oldest_waiter) else {
+            drop(state);
+            if pttl != Some(-2) {
                 free_since.remove(key);
                 continue;
-            };
+            }
             let free = *free_since.entry(key).or_insert(sampled);
-            let last_entry = state.last_entry.get(key).copied();
-            drop(state);
-            let from = [Some(free), Some(waiting_since), last_entry]
-                .into_iter()
-                .flatten()
-                .max()
-                .unwrap_or(free);
-            let starved = now.saturating_duration_since(from);
-            let allowed = world.history.allowance(from, now);
-            if starved > STARVED && starved > STARVED + allowed {
-                world.history.violation(format!(
-                    "liveness: {key} free in Redis for {starved:?}, entered by nobody, while {who} \
-                     waited for it (since {:?} ago; {allowed:?} of it in faults or stalls)",
-                    waiting_since.elapsed()
-                ));
+            if world.history.starved(key, free, now) != Judged::Fine {
                 free_since.remove(key);
             }
         }
