@@ -348,7 +348,7 @@ pub(super) async fn program(
         }
         match rng.u8(..100) {
             // A hold taken away from its holder.
-            0..=4 => robbed(&world, &locks, &who, plan, &mut rng, faults).await,
+            0..=4 => distlock::scope(robbed(&world, &locks, &who, plan, &mut rng, faults)).await,
             // An election: one leader at a time, each term larger than the last.
             40..=44 if world.features.fencing => {
                 elect(&world, &locks, &who, plan, &mut rng, faults).await;

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use distlock::LockManager;
+use distlock::{LockError, LockGuard, LockManager};
 
 use super::*;
 
@@ -75,13 +75,18 @@ pub(super) async fn robbed(
         wait: Some(Duration::from_millis(rng.u64(1..300))),
         min_hold: None,
         fair: false,
-        reentrant: false,
+        // Inside a scope: an acquire nested in the robbed hold asks for the same owner.
+        reentrant: true,
         downgrade: false,
         ..plan
     };
     let Some((guard, entry)) = take(world, locks, who, plan, faults).await else {
         return;
     };
+    // A task of the same manager waits behind the holder; the steal must wake it.
+    let behind = rng
+        .bool()
+        .then(|| waiter_behind(world, locks, who, plan, faults));
     // A forced release removes whatever holds the key: under faults the robbed lease may
     // have run out already, and another holder would be robbed instead.
     let how = match (faults, plan.watchdog) {
@@ -129,6 +134,7 @@ pub(super) async fn robbed(
     if !stolen {
         // The steal did not happen (a fault, or the lock was already gone): leave quietly.
         let _ = world.bounded("release", guard.release()).await;
+        join_behind(world, behind).await;
         return;
     }
     {
@@ -142,6 +148,23 @@ pub(super) async fn robbed(
     }
     // Someone else may take the lock meanwhile.
     tokio::time::sleep(Duration::from_millis(rng.u64(0..30))).await;
+    if rng.bool() {
+        nested_in_robbed(world, locks, who, plan, rng, faults).await;
+    }
+    after_the_steal(world, who, plan, guard, rng, faults).await;
+    join_behind(world, behind).await;
+}
+
+/// What the robbed holder may still do: its `extend`, `is_held` and (without faults)
+/// `release` must not succeed, and its `lost()` must fire.
+async fn after_the_steal(
+    world: &World,
+    who: &str,
+    plan: Plan,
+    guard: LockGuard,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
     if rng.bool()
         && let Some(Ok(())) = world
             .bounded(
@@ -187,5 +210,78 @@ pub(super) async fn robbed(
                 ));
             }
         }
+    }
+}
+
+/// A task of the robbed holder's own manager that waits for the key meanwhile, patient and
+/// (without faults) with a long fallback timer: the liveness monitor holds it to its bound
+/// once the key is free, after a forced release or a `DEL` as after any release.
+fn waiter_behind(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: Plan,
+    faults: bool,
+) -> tokio::task::JoinHandle<()> {
+    let waiter = Plan {
+        kind: Kind::Exclusive,
+        ttl: Duration::from_millis(400),
+        wait: Some(Duration::from_millis(1_500)),
+        fencing: false,
+        watchdog: false,
+        min_hold: None,
+        reentrant: false,
+        fair: false,
+        downgrade: false,
+        retry_delay: Duration::from_millis(if faults { 2 } else { 300 }),
+        ..plan
+    };
+    let (world, locks, who) = (world.clone(), locks.clone(), format!("{who}/behind"));
+    tokio::spawn(async move {
+        let mut rng = fastrand::Rng::with_seed(u64::from(plan.key.as_bytes()[0]));
+        if let Some((guard, entry)) = take(&world, &locks, &who, waiter, faults).await {
+            leave(&world, guard, entry, &mut rng, faults).await;
+        }
+    })
+}
+
+async fn join_behind(world: &World, behind: Option<tokio::task::JoinHandle<()>>) {
+    if let Some(behind) = behind {
+        let _ = world.bounded("waiter behind a robbed holder", behind).await;
+    }
+}
+
+/// An acquire nested in the robbed hold (a single lock of its key, or a set naming it): the
+/// hold is gone, so the answer must be a refusal, `LockError::Lost` (under faults, a Redis
+/// error may come first).
+async fn nested_in_robbed(
+    world: &World,
+    locks: &LockManager,
+    who: &str,
+    plan: Plan,
+    rng: &mut fastrand::Rng,
+    faults: bool,
+) {
+    let answer = if rng.bool() {
+        let nested = plan.request(locks).wait(Duration::from_millis(20));
+        let answer = world.bounded("nested acquire", nested.acquire()).await;
+        answer.map(|answer| answer.map(|guard| format!("granted {:?}", guard.key())))
+    } else {
+        let other = KEYS[(KEYS.iter().position(|k| *k == plan.key).unwrap_or(0) + 1) % KEYS.len()];
+        let set = locks
+            .lock_all([plan.key, other])
+            .reentrant(true)
+            .wait(Duration::from_millis(20));
+        let answer = world.bounded("nested set", set.acquire()).await;
+        answer.map(|answer| answer.map(|guard| format!("granted the set {:?}", guard.keys())))
+    };
+    match answer {
+        None | Some(Err(LockError::Lost { .. })) => {}
+        Some(Err(LockError::Redis { .. })) if faults => {}
+        Some(other) => world.history.violation(format!(
+            "lost: {who}'s acquire nested in its robbed hold of {} answered {other:?}, not \
+             LockError::Lost",
+            plan.key
+        )),
     }
 }
