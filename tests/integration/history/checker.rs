@@ -29,6 +29,10 @@ pub(super) struct State {
     /// master, which the topology does not promise to survive.
     pub(super) void_before: Option<Instant>,
     pub(super) excused: u64,
+    /// Keys that must stay held until a `min_hold` ends (one asked for by a hold nested in a
+    /// set, say), by whom: nobody else may enter them before.
+    pub(super) kept: HashMap<String, (String, Instant)>,
+    pub(super) min_holds_kept: u64,
     /// Requests sleeping in `acquire()` right now, by id: their keys (several for a set,
     /// which can only enter once every one is free), since when, who.
     pub(super) waiting: HashMap<u64, (Vec<String>, Instant, String)>,
@@ -223,6 +227,18 @@ impl History {
                         &o[o.len() - 8..]
                     )
                 });
+        if let Some((keeper, until)) = state.kept.get(key)
+            && *until > now
+            && *keeper != owner
+            && void_before.is_none()
+            && conflict.is_none()
+        {
+            conflict = Some(format!(
+                "{kind:?} entered {key} {:?} before the end of the min_hold {} asked for",
+                *until - now,
+                &keeper[keeper.len() - 8..]
+            ));
+        }
         if kind == Kind::Permit && conflict.is_none() {
             let mut owners: Vec<&String> = live.iter().map(|(_, o)| o).collect();
             owners.sort();
@@ -402,6 +418,18 @@ impl History {
         }
     }
 
+    /// `owner` asked for a `min_hold` on `key` that lasts until `until` (counted from no later
+    /// than the server counts it): nobody else may enter the key before, whatever is released.
+    pub(super) fn min_hold(&self, key: &str, owner: &str, until: Instant) {
+        let mut state = self.lock();
+        state.min_holds_kept += 1;
+        let kept = state.kept.entry(key.to_owned());
+        let kept = kept.or_insert_with(|| (owner.to_owned(), until));
+        if kept.1 < until {
+            *kept = (owner.to_owned(), until);
+        }
+    }
+
     /// A request starts sleeping in `acquire()` for `key`; it stops when this is dropped.
     pub(super) fn waits(self: &Arc<Self>, who: &str, key: &str) -> Waiting {
         self.waits_all(who, &[key])
@@ -486,13 +514,14 @@ impl History {
         let state = self.lock();
         println!(
             "history [{topology}] seed {seed}: {} acquisitions ({} by local pass, {} sets of {} \
-             keys, {} leaders elected), {} lease checks, {} steals, {} liveness samples ({} \
+             keys, {} leaders elected, {} min_holds nested in sets), {} lease checks, {} steals, {} liveness samples ({} \
              stalls of the monitor, {:?} in all), {} faults injected, {} violations{}",
             state.acquisitions,
             state.local_passes,
             state.sets,
             state.set_keys,
             state.elections,
+            state.min_holds_kept,
             state.lease_checks,
             state.steals,
             state.liveness_samples,

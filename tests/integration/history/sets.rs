@@ -201,9 +201,9 @@ pub(super) async fn sets(
 ) {
     let plan = SetPlan::random(rng, world.features, faults);
     match rng.u8(..12) {
-        0..=2 => set_alone(world, locks, who, &plan, rng, faults).await,
+        0 | 1 => set_alone(world, locks, who, &plan, rng, faults).await,
         3 => set_inside_a_hold(world, locks, who, plan, rng, faults).await,
-        4 => hold_inside_a_set(world, locks, who, plan, rng, faults).await,
+        2 | 4 => hold_inside_a_set(world, locks, who, plan, rng, faults).await,
         5 => set_inside_a_set(world, locks, who, plan, rng, faults).await,
         6 => set_beside_a_sibling(world, locks, who, &plan, rng, faults).await,
         7 => annotated_sets(world, locks, who, &plan, rng, faults).await,
@@ -291,18 +291,32 @@ pub(super) async fn hold_inside_a_set(
         inner.key = keys[rng.usize(..keys.len())];
     }
     let reentered = keys.contains(&inner.key);
+    // A hold nested in the set's exclusive lock may ask for a `min_hold`: the key must stay
+    // held that long, past the set's release (see `History::min_hold`).
+    let min_hold = (reentered && rng.u8(..4) != 0).then(|| Duration::from_millis(rng.u64(20..120)));
+    if min_hold.is_some() {
+        inner.kind = Kind::Exclusive;
+    }
     let inner = Plan {
         reentrant: rng.u8(..8) != 0,
-        min_hold: None,
-        fair: inner.fair && !reentered,
+        min_hold: min_hold.or(inner.min_hold.filter(|_| !reentered)),
+        fair: inner.fair && !reentered && min_hold.is_none(),
         downgrade: reentered && inner.kind == Kind::Read,
         ..inner
     };
     distlock::scope(async {
+        let asked = Instant::now();
         let Some((set, set_entry)) = take_set(world, locks, who, &plan, &[], faults).await else {
             return;
         };
         let nested = take(world, locks, who, inner, faults).await;
+        if let (Some((guard, _)), Some(min_hold), true) = (&nested, min_hold, inner.reentrant) {
+            // Counted from before the set was asked for: no later than the server's own count.
+            let kept = min_hold.min(inner.ttl).min(set.ttl());
+            world
+                .history
+                .min_hold(inner.key, guard.token(), asked + kept);
+        }
         work_set(world, locks, &set, &set_entry, rng, faults).await;
         match nested {
             Some((guard, entry)) if rng.bool() => {

@@ -240,3 +240,31 @@ fn a_nested_acquire_granted_inside_a_lost_hold_is_an_overlap() {
     assert_eq!(found.len(), 1, "{found:?}");
     assert!(found[0].starts_with("overlap:"), "{found:?}");
 }
+
+#[test]
+fn entering_before_a_nested_min_hold_ends_is_rejected() {
+    let history = Arc::new(History::default());
+    let set = Fake::owner("x");
+    history.min_hold("a", &set.token, Instant::now() + Duration::from_secs(5));
+    // The keeper itself may come back; the set released, someone else may not.
+    drop(history.enter("keeper", "a", Kind::Exclusive, &set, Instant::now()));
+    history.min_hold("b", &set.token, Instant::now());
+    drop(history.enter(
+        "after",
+        "b",
+        Kind::Exclusive,
+        &Fake::owner("z"),
+        Instant::now(),
+    ));
+    assert_eq!(violations(&history), Vec::<String>::new());
+    drop(history.enter(
+        "early",
+        "a",
+        Kind::Exclusive,
+        &Fake::owner("y"),
+        Instant::now(),
+    ));
+    let found = violations(&history);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].contains("min_hold"), "{found:?}");
+}
