@@ -198,59 +198,7 @@ impl History {
             guard.remaining()
         );
         push_recent(&mut state, event);
-        let void_before = state.void_before;
-        let lost_in_failover = |h: &Holder| void_before.is_some_and(|at| h.entered < at);
-        let excused = state
-            .holders
-            .get(key)
-            .into_iter()
-            .flatten()
-            .filter(|h| h.holder != holder && h.valid_until > now && lost_in_failover(h))
-            .count();
-        state.excused += excused as u64;
-        // Every grant is checked, a nested one too: a nested acquire of a hold that ran out,
-        // was lost or was taken away must be refused, not granted with nothing left.
-        let live: Vec<(Kind, String)> = state
-            .holders
-            .get(key)
-            .into_iter()
-            .flatten()
-            .filter(|h| h.holder != holder && h.valid_until > now && !lost_in_failover(h))
-            .map(|h| (h.kind, h.holder.clone()))
-            .collect();
-        let mut conflict =
-            live.iter()
-                .find(|(other, _)| !kind.overlaps(*other))
-                .map(|(other, o)| {
-                    format!(
-                        "{kind:?} entered {key} while {other:?} {} held it",
-                        &o[o.len() - 8..]
-                    )
-                });
-        if let Some((keeper, until)) = state.kept.get(key)
-            && *until > now
-            && *keeper != owner
-            && void_before.is_none()
-            && conflict.is_none()
-        {
-            conflict = Some(format!(
-                "{kind:?} entered {key} {:?} before the end of the min_hold {} asked for",
-                *until - now,
-                &keeper[keeper.len() - 8..]
-            ));
-        }
-        if kind == Kind::Permit && conflict.is_none() {
-            let mut owners: Vec<&String> = live.iter().map(|(_, o)| o).collect();
-            owners.sort();
-            owners.dedup();
-            if owners.len() >= PERMITS as usize {
-                conflict = Some(format!(
-                    "permit {} on {key} entered beside {} other holders (N = {PERMITS})",
-                    &owner[owner.len() - 8..],
-                    owners.len()
-                ));
-            }
-        }
+        let conflict = conflict(&mut state, key, kind, &owner, &holder, now);
         // A hold's own fencing token: a nested hold (its owner already inside) carries the
         // outer hold's.
         let nested = state
@@ -554,6 +502,74 @@ impl History {
             );
         }
     }
+}
+
+/// Whether an entry of `key` as `kind` by `holder` (of `owner`) at `now` conflicts with
+/// anyone inside: a holder of a kind it does not overlap with, a `min_hold` of someone else
+/// not over yet, or all the permits taken. Holders a failover may have voided are counted as
+/// excused instead.
+fn conflict(
+    state: &mut State,
+    key: &str,
+    kind: Kind,
+    owner: &str,
+    holder: &str,
+    now: Instant,
+) -> Option<String> {
+    let void_before = state.void_before;
+    let lost_in_failover = |h: &Holder| void_before.is_some_and(|at| h.entered < at);
+    let excused = state
+        .holders
+        .get(key)
+        .into_iter()
+        .flatten()
+        .filter(|h| h.holder != holder && h.valid_until > now && lost_in_failover(h))
+        .count();
+    state.excused += excused as u64;
+    // Every grant is checked, a nested one too: a nested acquire of a hold that ran out,
+    // was lost or was taken away must be refused, not granted with nothing left.
+    let live: Vec<(Kind, String)> = state
+        .holders
+        .get(key)
+        .into_iter()
+        .flatten()
+        .filter(|h| h.holder != holder && h.valid_until > now && !lost_in_failover(h))
+        .map(|h| (h.kind, h.holder.clone()))
+        .collect();
+    let mut conflict = live
+        .iter()
+        .find(|(other, _)| !kind.overlaps(*other))
+        .map(|(other, o)| {
+            format!(
+                "{kind:?} entered {key} while {other:?} {} held it",
+                &o[o.len() - 8..]
+            )
+        });
+    if let Some((keeper, until)) = state.kept.get(key)
+        && *until > now
+        && *keeper != owner
+        && void_before.is_none()
+        && conflict.is_none()
+    {
+        conflict = Some(format!(
+            "{kind:?} entered {key} {:?} before the end of the min_hold {} asked for",
+            *until - now,
+            &keeper[keeper.len() - 8..]
+        ));
+    }
+    if kind == Kind::Permit && conflict.is_none() {
+        let mut owners: Vec<&String> = live.iter().map(|(_, o)| o).collect();
+        owners.sort();
+        owners.dedup();
+        if owners.len() >= PERMITS as usize {
+            conflict = Some(format!(
+                "permit {} on {key} entered beside {} other holders (N = {PERMITS})",
+                &owner[owner.len() - 8..],
+                owners.len()
+            ));
+        }
+    }
+    conflict
 }
 
 /// What `History::starved` found of a free key.
