@@ -3,7 +3,8 @@
 
 Each mutation edits the Lua scripts or the Rust waiting and hand-off code, then runs the
 history checker's short mode (`cargo test --all-features --test integration history::`) and
-the tests of the module that owns the code (`tests/integration/<module>.rs`, run the same way
+the tests of the module that owns the code (`tests/integration/<module>.rs` or
+`<module>/mod.rs`, run the same way
 with `<module>::`). A mutation is caught when either fails (or runs past its time limit). The
 tree is restored after each one, whatever happens.
 
@@ -158,6 +159,19 @@ MUTATIONS = [
        "                        shared.counters.lost")]),
     ("waiters: a sit-out takes no look when nobody takes the lock up", "liveness",
      [(RT + "waiters/mod.rs", "let until = self.until.min(self.look_at);", "let until = self.until;")]),
+    # --- Rust and Lua: where two features meet (tests/integration/seams.rs)
+    ("lock: a nested acquire is not checked on the server (a stolen hold is re-entered)",
+     "seams",
+     [(RT + "lock.rs", "    if !guard.is_held().await? {\n        guard.held().lease.mark_lost();",
+       "    if false {\n        guard.held().lease.mark_lost();")]),
+    ("multi: a set's release drops the min_hold of a hold nested in it", "seams",
+     [(RT + "multi.rs", "keep: keep_from(held.keep_until()),", "keep: Duration::ZERO,")]),
+    ("release_hold.lua: no PUBLISH when the min_hold marker is left", "seams",
+     [(LUA + "release_hold.lua",
+       "take the lock then.\n    redis.call('publish', wake, '')", "take the lock then.")]),
+    ("pubsub: a release from elsewhere does not end 'held here' (a forced release wakes "
+     "nobody behind this manager's holder)", "seams",
+     [(RT + "waiters/pubsub.rs", "                queue.held_here = None;\n", "")]),
     # --- Rust: connections on a real network
     ("waiters: a lost pub/sub connection is not followed again", "partitions",
      [(RT + "waiters/pubsub.rs", "        shared.lost_connection(generation);\n        shared.recover(&backend);",
@@ -212,7 +226,8 @@ def main():
     print("baseline: the unmutated tree must pass", flush=True)
     for name in sorted({"history"} | {m[1] for m in chosen}):
         # A filter that matches no test passes: the module must exist.
-        if not (ROOT / "tests" / "integration" / f"{name}.rs").is_file():
+        tests = ROOT / "tests" / "integration"
+        if not ((tests / f"{name}.rs").is_file() or (tests / name / "mod.rs").is_file()):
             sys.exit(f"no test module tests/integration/{name}.rs")
         ok, _ = cargo_test(name)
         if not ok:

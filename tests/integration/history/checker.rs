@@ -1,0 +1,718 @@
+//! The history and its rules: who is inside which key, and every check made on an entry,
+//! a fence, a term or a free stretch.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use distlock::{LockGuard, MultiGuard};
+
+use super::*;
+
+/// Everything the programs did that the checker cares about.
+#[derive(Default)]
+pub(super) struct History {
+    pub(super) state: Mutex<State>,
+}
+
+#[derive(Default)]
+pub(super) struct State {
+    pub(super) holders: HashMap<String, Vec<Holder>>,
+    pub(super) next_id: u64,
+    pub(super) violations: Vec<String>,
+    /// The latest events, to show around a violation.
+    pub(super) recent: VecDeque<String>,
+    pub(super) acquisitions: u64,
+    pub(super) faults: u64,
+    pub(super) lease_checks: u64,
+    /// A failover happened here: grants made before it may have been lost with the old
+    /// master, which the topology does not promise to survive.
+    pub(super) void_before: Option<Instant>,
+    pub(super) excused: u64,
+    /// Keys that must stay held until a `min_hold` ends (one asked for by a hold nested in a
+    /// set, say), by whom: nobody else may enter them before.
+    pub(super) kept: HashMap<String, (String, Instant)>,
+    pub(super) min_holds_kept: u64,
+    /// Requests sleeping in `acquire()` right now, by id: their keys (several for a set,
+    /// which can only enter once every one is free), since when, who.
+    pub(super) waiting: HashMap<u64, (Vec<String>, Instant, String)>,
+    pub(super) next_waiter: u64,
+    /// When a key was last entered.
+    pub(super) last_entry: HashMap<String, Instant>,
+    /// Injected faults: from, until (`None` while it lasts).
+    pub(super) fault_windows: Vec<(Instant, Option<Instant>)>,
+    /// Stretches in which the monitor's own timer fired late by more than `STALL`: the
+    /// process (its runtime, or the whole machine) did not run, and neither did the waiters.
+    pub(super) stalls: Vec<(Instant, Instant)>,
+    /// The longest lease each live owner asked for (its holds' `ttl`, its extends).
+    pub(super) lease_caps: HashMap<String, Duration>,
+    pub(super) liveness_samples: u64,
+    pub(super) steals: u64,
+    pub(super) elections: u64,
+    /// Entries by a cohort's local pass (no server command).
+    pub(super) local_passes: u64,
+    /// Sets entered (each one acquisition), and the keys they held.
+    pub(super) sets: u64,
+    pub(super) set_keys: u64,
+    /// Holds taken away from their holders, by token: when, and the steal's round trip.
+    pub(super) robbed: HashMap<String, (Instant, Duration)>,
+    /// Each key's fencing tokens, and when their holds left (see `History::fenced`).
+    pub(super) fences: HashMap<String, Vec<(u64, Option<Instant>)>>,
+    /// Each election's terms, and when their leaders left.
+    pub(super) terms: HashMap<String, Vec<(u64, Option<Instant>)>>,
+}
+
+pub(super) struct Holder {
+    pub(super) id: u64,
+    pub(super) owner: String,
+    /// The owner and its place in a cohort's run: holders one after another that share a
+    /// server hold (and so its token) by local passes are different holders.
+    pub(super) holder: String,
+    pub(super) kind: Kind,
+    pub(super) entered: Instant,
+    pub(super) valid_until: Instant,
+    /// The fencing token this hold drew (not for a nested hold, which carries its outer's).
+    pub(super) fence: Option<u64>,
+    /// Whether the key's PTTL is bounded by this owner's own requests (not for fair grants,
+    /// which may carry another manager's claim window).
+    pub(super) capped: bool,
+}
+
+/// What the history reads of a granted hold: a `LockGuard`'s, or a set's hold of one of its
+/// keys.
+pub(super) trait Granted {
+    fn token(&self) -> &str;
+    fn remaining(&self) -> Duration;
+    fn local_passes(&self) -> u32;
+    fn fencing_token(&self) -> Option<u64>;
+    fn ttl(&self) -> Duration;
+    fn waited(&self) -> Duration;
+    /// Whether entering it counts as an acquisition (a set counts once, not once per key).
+    fn counts(&self) -> bool {
+        true
+    }
+}
+
+impl Granted for LockGuard {
+    fn token(&self) -> &str {
+        LockGuard::token(self)
+    }
+    fn remaining(&self) -> Duration {
+        LockGuard::remaining(self)
+    }
+    fn local_passes(&self) -> u32 {
+        LockGuard::local_passes(self)
+    }
+    fn fencing_token(&self) -> Option<u64> {
+        LockGuard::fencing_token(self)
+    }
+    fn ttl(&self) -> Duration {
+        LockGuard::ttl(self)
+    }
+    fn waited(&self) -> Duration {
+        LockGuard::waited(self)
+    }
+}
+
+/// A set's hold of one of its keys: exclusive, owned by the set's token; or, for a key the
+/// set re-entered, the hold of that key's outer holder (its owner, its place in a cohort's
+/// run, its kind).
+#[derive(Debug)]
+pub(super) struct SetHold {
+    pub(super) key: &'static str,
+    pub(super) owner: String,
+    pub(super) passes: u32,
+    pub(super) kind: Kind,
+}
+
+/// One key of a granted set, as the history reads it.
+pub(super) struct SetKeyGrant<'g> {
+    pub(super) set: &'g MultiGuard,
+    pub(super) hold: &'g SetHold,
+    pub(super) first: bool,
+}
+
+impl Granted for SetKeyGrant<'_> {
+    fn token(&self) -> &str {
+        &self.hold.owner
+    }
+    fn remaining(&self) -> Duration {
+        self.set.remaining()
+    }
+    fn local_passes(&self) -> u32 {
+        self.hold.passes
+    }
+    fn fencing_token(&self) -> Option<u64> {
+        self.set.fencing_token(self.hold.key)
+    }
+    fn ttl(&self) -> Duration {
+        self.set.ttl()
+    }
+    fn waited(&self) -> Duration {
+        self.set.waited()
+    }
+    fn counts(&self) -> bool {
+        self.first
+    }
+}
+
+impl History {
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn violation(&self, what: String) {
+        let mut state = self.lock();
+        let recent: Vec<String> = state.recent.iter().cloned().collect();
+        state.violations.push(format!(
+            "{what}\n  recent events:\n    {}",
+            recent.join("\n    ")
+        ));
+    }
+
+    /// `guard` was just granted, for a request made at `asked`: check it against everyone
+    /// inside. The fencing check compares with the holds that left before the request was
+    /// made (not before the guard's `waited()`, which is fixed when the guard is built: a
+    /// starved task may enter here well after, and more than the acquisition may stand
+    /// between the two, as when a campaign announces its leader after taking the lock).
+    pub(super) fn enter(
+        self: &Arc<Self>,
+        who: &str,
+        key: &str,
+        kind: Kind,
+        guard: &impl Granted,
+        asked: Instant,
+    ) -> Entry {
+        let now = Instant::now();
+        let valid_until = now + guard.remaining();
+        let owner = guard.token().to_owned();
+        let holder = format!("{owner}#{}", guard.local_passes());
+        let mut state = self.lock();
+        state.acquisitions += u64::from(guard.counts());
+        state.local_passes += u64::from(guard.local_passes() > 0);
+        let event = format!(
+            "{:?} #{} {who} enters {key} as {kind:?} (owner {}, valid {:?})",
+            now,
+            state.next_id,
+            &owner[owner.len() - 8..],
+            guard.remaining()
+        );
+        push_recent(&mut state, event);
+        let conflict = conflict(&mut state, key, kind, &owner, &holder, now);
+        // A hold's own fencing token: a nested hold (its owner already inside) carries the
+        // outer hold's.
+        let nested = state
+            .holders
+            .get(key)
+            .is_some_and(|holders| holders.iter().any(|h| h.owner == owner));
+        let fence = guard.fencing_token().filter(|_| !nested);
+        let id = state.next_id;
+        state.next_id += 1;
+        state.last_entry.insert(key.to_owned(), now);
+        // A local pass continues the server hold it was given, and sends nothing: a hold
+        // taken away goes on being passed until the run's check answers (about a round trip).
+        // Those holders are the robbed hold, out of the history like its first holder; the
+        // run must stop in time.
+        if guard.local_passes() > 0
+            && let Some(&(stolen, round_trip)) = state.robbed.get(&owner)
+        {
+            state.excused += 1;
+            drop(state);
+            let after = now.duration_since(stolen);
+            let bound = round_trip + RUN_AFTER_STEAL + self.allowance(stolen, now);
+            if after > bound {
+                self.violation(format!(
+                    "cohort: {who} entered {key} by a local pass of a hold taken away {after:?} \
+                     before (bound {bound:?}: a round trip of {round_trip:?} and the slack)"
+                ));
+            }
+            return Entry {
+                history: self.clone(),
+                key: key.to_owned(),
+                id,
+            };
+        }
+        // A hold taken away is lost for good: no acquire nested in it may be granted.
+        if let Some(&(stolen, _)) = state.robbed.get(&owner) {
+            drop(state);
+            self.violation(format!(
+                "lost: {who} was granted {key} as {kind:?} by a nested acquire of a hold taken \
+                 away {:?} before (a refusal, `LockError::Lost`, is required)",
+                now.saturating_duration_since(stolen)
+            ));
+            state = self.lock();
+        }
+        let cap = state.lease_caps.entry(owner.clone()).or_default();
+        *cap = (*cap).max(guard.ttl());
+        state
+            .holders
+            .entry(key.to_owned())
+            .or_default()
+            .push(Holder {
+                id,
+                owner,
+                holder,
+                kind,
+                entered: now,
+                valid_until,
+                fence,
+                capped: matches!(kind, Kind::Exclusive | Kind::Write),
+            });
+        drop(state);
+        if let Some(conflict) = conflict {
+            self.violation(format!("overlap: {who}: {conflict}"));
+        }
+        if let Some(fence) = fence {
+            let began = now - guard.waited();
+            self.fenced(who, key, fence, asked.min(began));
+        }
+        Entry {
+            history: self.clone(),
+            key: key.to_owned(),
+            id,
+        }
+    }
+
+    /// The set `guard` was just granted: a hold of each of its `keys` (key, owner, kind), each
+    /// checked against everyone inside as a single hold is.
+    pub(super) fn enter_set(
+        self: &Arc<Self>,
+        who: &str,
+        holds: &[SetHold],
+        guard: &MultiGuard,
+        asked: Instant,
+    ) -> SetEntry {
+        let entries = holds
+            .iter()
+            .enumerate()
+            .map(|(at, hold)| {
+                let grant = SetKeyGrant {
+                    set: guard,
+                    hold,
+                    first: at == 0,
+                };
+                self.enter(who, hold.key, hold.kind, &grant, asked)
+            })
+            .collect();
+        let mut state = self.lock();
+        state.sets += 1;
+        state.set_keys += holds.len() as u64;
+        let own = guard.token();
+        SetEntry {
+            history: self.clone(),
+            entries,
+            owners: holds.iter().map(|hold| hold.owner.clone()).collect(),
+            own_keys: (holds.iter())
+                .filter(|hold| hold.owner == own)
+                .map(|hold| hold.key)
+                .collect(),
+        }
+    }
+
+    /// A new leader of the election whose lock is `key` has `term`: larger than the term of
+    /// every leader that had left before this one began to campaign (`asked`), unless a
+    /// failover may have lost the counter.
+    pub(super) fn term(&self, who: &str, key: &str, term: u64, asked: Instant) {
+        let mut state = self.lock();
+        let failed_over = state.void_before.is_some();
+        let terms = state.terms.entry(key.to_owned()).or_default();
+        let earlier = terms
+            .iter()
+            .filter(|(_, left)| left.is_some_and(|left| left < asked))
+            .map(|(t, _)| *t)
+            .max()
+            .unwrap_or(0);
+        terms.push((term, None));
+        state.elections += 1;
+        drop(state);
+        if term <= earlier && !failed_over {
+            self.violation(format!(
+                "term: {who} leads {key} in term {term}, not above the earlier {earlier}"
+            ));
+        }
+    }
+
+    /// A hold of `key` drew fencing token `fence`: larger than the token of every hold of the
+    /// key that had left before this request began (`asked`), unless a failover may have lost
+    /// the counter. (Holds that overlap in time, such as readers, may draw in either order.)
+    pub(super) fn fenced(&self, who: &str, key: &str, fence: u64, asked: Instant) {
+        let mut state = self.lock();
+        let failed_over = state.void_before.is_some();
+        let fences = state.fences.entry(key.to_owned()).or_default();
+        let earlier = fences
+            .iter()
+            .filter(|(_, left)| left.is_some_and(|left| left < asked))
+            .map(|(f, _)| *f)
+            .max()
+            .unwrap_or(0);
+        fences.push((fence, None));
+        drop(state);
+        if fence <= earlier && !failed_over {
+            self.violation(format!(
+                "fencing: {who} holds {key} with token {fence}, not above the earlier {earlier}"
+            ));
+        }
+    }
+
+    /// The leader of `key` in `term` has left.
+    pub(super) fn left(&self, key: &str, term: u64) {
+        let mut state = self.lock();
+        if let Some(entry) = state
+            .terms
+            .get_mut(key)
+            .and_then(|terms| terms.iter_mut().find(|(t, _)| *t == term))
+        {
+            entry.1 = Some(Instant::now());
+        }
+    }
+
+    /// `owner` asked for a `min_hold` on `key` that lasts until `until` (counted from no later
+    /// than the server counts it): nobody else may enter the key before, whatever is released.
+    pub(super) fn min_hold(&self, key: &str, owner: &str, until: Instant) {
+        let mut state = self.lock();
+        state.min_holds_kept += 1;
+        let kept = state.kept.entry(key.to_owned());
+        let kept = kept.or_insert_with(|| (owner.to_owned(), until));
+        if kept.1 < until {
+            *kept = (owner.to_owned(), until);
+        }
+    }
+
+    /// A request starts sleeping in `acquire()` for `key`; it stops when this is dropped.
+    pub(super) fn waits(self: &Arc<Self>, who: &str, key: &str) -> Waiting {
+        self.waits_all(who, &[key])
+    }
+
+    /// A request starts sleeping in `acquire()` until every one of `keys` is free at once (a
+    /// set); it stops when this is dropped.
+    pub(super) fn waits_all(self: &Arc<Self>, who: &str, keys: &[&str]) -> Waiting {
+        let keys = keys.iter().map(|&key| key.to_owned()).collect();
+        let mut state = self.lock();
+        let id = state.next_waiter;
+        state.next_waiter += 1;
+        state
+            .waiting
+            .insert(id, (keys, Instant::now(), who.to_owned()));
+        Waiting {
+            history: self.clone(),
+            id,
+        }
+    }
+
+    /// The fault allowance of a free stretch from `from` to `to`: how much of it lies in a
+    /// fault window or the recovery after one, or in a stall the monitor measured on itself
+    /// (their union, each moment counted once).
+    pub(super) fn allowance(&self, from: Instant, to: Instant) -> Duration {
+        let state = self.lock();
+        let faults =
+            (state.fault_windows.iter()).map(|(start, end)| (*start, end.unwrap_or(to) + RECOVERY));
+        let mut windows: Vec<(Instant, Instant)> = faults
+            .chain(state.stalls.iter().copied())
+            .filter(|(start, end)| *start < to && *end > from)
+            .map(|(start, end)| (start.max(from), end.min(to)))
+            .collect();
+        windows.sort();
+        let mut covered = Duration::ZERO;
+        let mut reached = from;
+        for (start, end) in windows {
+            let start = start.max(reached);
+            if end > start {
+                covered += end - start;
+                reached = end;
+            }
+        }
+        covered
+    }
+
+    /// `key` has been free in Redis since `free` (the monitor's samples): if a request sleeps
+    /// in `acquire()` for it, and nobody entered it, for longer than `STARVED` plus the fault
+    /// allowance, that is a liveness violation.
+    pub(super) fn starved(&self, key: &str, free: Instant, now: Instant) -> Judged {
+        let state = self.lock();
+        let oldest_waiter = state
+            .waiting
+            .values()
+            .filter(|(keys, _, _)| keys.len() == 1 && keys[0] == key)
+            .min_by_key(|(_, since, _)| *since)
+            .map(|(_, since, who)| (*since, who.clone()));
+        let Some((waiting_since, who)) = oldest_waiter else {
+            return Judged::NobodyWaits;
+        };
+        let last_entry = state.last_entry.get(key).copied();
+        drop(state);
+        let from = [Some(free), Some(waiting_since), last_entry]
+            .into_iter()
+            .flatten()
+            .max()
+            .unwrap_or(free);
+        let starved = now.saturating_duration_since(from);
+        let allowed = self.allowance(from, now);
+        if starved > STARVED && starved > STARVED + allowed {
+            self.violation(format!(
+                "liveness: {key} free in Redis for {starved:?}, entered by nobody, while {who} \
+                 waited for it (since {:?} ago; {allowed:?} of it in faults or stalls)",
+                now.saturating_duration_since(waiting_since)
+            ));
+            return Judged::Starved;
+        }
+        Judged::Fine
+    }
+
+    pub(super) fn report(&self, seed: u64, topology: &str) {
+        let state = self.lock();
+        println!(
+            "history [{topology}] seed {seed}: {} acquisitions ({} by local pass, {} sets of {} \
+             keys, {} leaders elected, {} min_holds nested in sets), {} lease checks, {} steals, {} liveness samples ({} \
+             stalls of the monitor, {:?} in all), {} faults injected, {} violations{}",
+            state.acquisitions,
+            state.local_passes,
+            state.sets,
+            state.set_keys,
+            state.elections,
+            state.min_holds_kept,
+            state.lease_checks,
+            state.steals,
+            state.liveness_samples,
+            state.stalls.len(),
+            state
+                .stalls
+                .iter()
+                .map(|(from, to)| *to - *from)
+                .sum::<Duration>(),
+            state.faults,
+            state.violations.len(),
+            match state.void_before {
+                Some(_) => format!(
+                    " (a failover happened: {} holders granted before it not counted)",
+                    state.excused
+                ),
+                None => String::new(),
+            }
+        );
+        if !state.violations.is_empty() {
+            let shown: Vec<&String> = state.violations.iter().take(4).collect();
+            panic!(
+                "history [{topology}]: {} violations (replay with DISTLOCK_SEED={seed}); the first:\n{}",
+                state.violations.len(),
+                shown
+                    .iter()
+                    .map(|v| v.as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+        }
+    }
+}
+
+/// Whether an entry of `key` as `kind` by `holder` (of `owner`) at `now` conflicts with
+/// anyone inside: a holder of a kind it does not overlap with, a `min_hold` of someone else
+/// not over yet, or all the permits taken. Holders a failover may have voided are counted as
+/// excused instead.
+fn conflict(
+    state: &mut State,
+    key: &str,
+    kind: Kind,
+    owner: &str,
+    holder: &str,
+    now: Instant,
+) -> Option<String> {
+    let void_before = state.void_before;
+    let lost_in_failover = |h: &Holder| void_before.is_some_and(|at| h.entered < at);
+    let excused = state
+        .holders
+        .get(key)
+        .into_iter()
+        .flatten()
+        .filter(|h| h.holder != holder && h.valid_until > now && lost_in_failover(h))
+        .count();
+    state.excused += excused as u64;
+    // Every grant is checked, a nested one too: a nested acquire of a hold that ran out,
+    // was lost or was taken away must be refused, not granted with nothing left.
+    let live: Vec<(Kind, String)> = state
+        .holders
+        .get(key)
+        .into_iter()
+        .flatten()
+        .filter(|h| h.holder != holder && h.valid_until > now && !lost_in_failover(h))
+        .map(|h| (h.kind, h.holder.clone()))
+        .collect();
+    let mut conflict = live
+        .iter()
+        .find(|(other, _)| !kind.overlaps(*other))
+        .map(|(other, o)| {
+            format!(
+                "{kind:?} entered {key} while {other:?} {} held it",
+                &o[o.len() - 8..]
+            )
+        });
+    if let Some((keeper, until)) = state.kept.get(key)
+        && *until > now
+        && *keeper != owner
+        && void_before.is_none()
+        && conflict.is_none()
+    {
+        conflict = Some(format!(
+            "{kind:?} entered {key} {:?} before the end of the min_hold {} asked for",
+            *until - now,
+            &keeper[keeper.len() - 8..]
+        ));
+    }
+    if kind == Kind::Permit && conflict.is_none() {
+        let mut owners: Vec<&String> = live.iter().map(|(_, o)| o).collect();
+        owners.sort();
+        owners.dedup();
+        if owners.len() >= PERMITS as usize {
+            conflict = Some(format!(
+                "permit {} on {key} entered beside {} other holders (N = {PERMITS})",
+                &owner[owner.len() - 8..],
+                owners.len()
+            ));
+        }
+    }
+    conflict
+}
+
+/// What `History::starved` found of a free key.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Judged {
+    /// Nobody sleeps waiting for it.
+    NobodyWaits,
+    /// A waiter sleeps, for no longer than the bound so far.
+    Fine,
+    /// A waiter slept past the bound: a violation was recorded.
+    Starved,
+}
+
+pub(super) fn push_recent(state: &mut State, event: String) {
+    if state.recent.len() == 40 {
+        state.recent.pop_front();
+    }
+    state.recent.push_back(event);
+}
+
+/// A request sleeping in `acquire()`, for the liveness monitor.
+pub(super) struct Waiting {
+    pub(super) history: Arc<History>,
+    pub(super) id: u64,
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.history.lock().waiting.remove(&self.id);
+    }
+}
+
+/// Being inside a critical section. Dropped (exit recorded) before the guard is released or
+/// dropped: declare it after the guard.
+pub(super) struct Entry {
+    pub(super) history: Arc<History>,
+    pub(super) key: String,
+    pub(super) id: u64,
+}
+
+impl Entry {
+    /// The guard's lease moved on (extend, renewal): so does the bound.
+    pub(super) fn refresh(&self, guard: &LockGuard) {
+        self.refresh_by(guard.remaining());
+    }
+
+    /// The hold is valid for `remaining` more.
+    pub(super) fn refresh_by(&self, remaining: Duration) {
+        let until = Instant::now() + remaining;
+        let mut state = self.history.lock();
+        if let Some(holder) = state
+            .holders
+            .get_mut(&self.key)
+            .and_then(|hs| hs.iter_mut().find(|h| h.id == self.id))
+        {
+            holder.valid_until = holder.valid_until.max(until);
+        }
+    }
+}
+
+impl Entry {
+    /// The owner asked for a lease of `ttl` (an extend): its key may live that long.
+    pub(super) fn extended(&self, guard: &LockGuard, ttl: Duration) {
+        let mut state = self.history.lock();
+        let cap = state
+            .lease_caps
+            .entry(guard.token().to_owned())
+            .or_default();
+        *cap = (*cap).max(ttl);
+    }
+
+    /// The key's lease is not this owner's alone to bound (a fair grant).
+    pub(super) fn uncapped(&self) {
+        let mut state = self.history.lock();
+        if let Some(holder) = state
+            .holders
+            .get_mut(&self.key)
+            .and_then(|hs| hs.iter_mut().find(|h| h.id == self.id))
+        {
+            holder.capped = false;
+        }
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        let mut state = self.history.lock();
+        let mut owner = None;
+        let mut fence = None;
+        if let Some(holders) = state.holders.get_mut(&self.key) {
+            if let Some(holder) = holders.iter().find(|h| h.id == self.id) {
+                owner = Some(holder.owner.clone());
+                fence = holder.fence;
+            }
+            holders.retain(|h| h.id != self.id);
+        }
+        if let Some(fence) = fence
+            && let Some(entry) = state
+                .fences
+                .get_mut(&self.key)
+                .and_then(|fences| fences.iter_mut().find(|(f, _)| *f == fence))
+        {
+            entry.1 = Some(Instant::now());
+        }
+        if let Some(owner) = owner
+            && !state.holders.values().flatten().any(|h| h.owner == owner)
+        {
+            state.lease_caps.remove(&owner);
+        }
+        let event = format!("{:?} #{} leaves {}", Instant::now(), self.id, self.key);
+        push_recent(&mut state, event);
+    }
+}
+
+/// Being inside a set: a hold of each of its keys. Dropped (every exit recorded) before the
+/// guard is released or dropped.
+pub(super) struct SetEntry {
+    pub(super) history: Arc<History>,
+    pub(super) entries: Vec<Entry>,
+    /// The owner of each key's hold (the set's token, or an outer hold's).
+    pub(super) owners: Vec<String>,
+    /// The keys the set took itself (not re-entered).
+    pub(super) own_keys: Vec<&'static str>,
+}
+
+impl SetEntry {
+    /// The set's leases moved on (extend, renewal): so do the bounds.
+    pub(super) fn refresh(&self, guard: &MultiGuard) {
+        for entry in &self.entries {
+            entry.refresh_by(guard.remaining());
+        }
+    }
+
+    /// The set asked for leases of `ttl` (an extend, which reaches the holds it re-entered
+    /// too): its keys may live that long.
+    pub(super) fn extended(&self, ttl: Duration) {
+        let mut state = self.history.lock();
+        for owner in &self.owners {
+            let cap = state.lease_caps.entry(owner.clone()).or_default();
+            *cap = (*cap).max(ttl);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,270 @@
+//! The checker's own rules, on synthetic event streams: no server is involved.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::*;
+
+/// A grant as the history reads it, made up.
+struct Fake {
+    token: String,
+    remaining: Duration,
+    passes: u32,
+    fence: Option<u64>,
+}
+
+impl Fake {
+    fn owner(token: &str) -> Self {
+        Self {
+            token: format!("{token:0>12}"),
+            remaining: Duration::from_secs(5),
+            passes: 0,
+            fence: None,
+        }
+    }
+}
+
+impl Granted for Fake {
+    fn token(&self) -> &str {
+        &self.token
+    }
+    fn remaining(&self) -> Duration {
+        self.remaining
+    }
+    fn local_passes(&self) -> u32 {
+        self.passes
+    }
+    fn fencing_token(&self) -> Option<u64> {
+        self.fence
+    }
+    fn ttl(&self) -> Duration {
+        Duration::from_secs(5)
+    }
+    fn waited(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+
+fn violations(history: &History) -> Vec<String> {
+    history.lock().violations.clone()
+}
+
+#[test]
+fn holders_one_after_another_and_readers_together_are_accepted() {
+    let history = Arc::new(History::default());
+    let first = history.enter(
+        "one",
+        "a",
+        Kind::Exclusive,
+        &Fake::owner("x"),
+        Instant::now(),
+    );
+    drop(first);
+    let second = history.enter(
+        "two",
+        "a",
+        Kind::Exclusive,
+        &Fake::owner("y"),
+        Instant::now(),
+    );
+    drop(second);
+    let r1 = history.enter("r1", "b", Kind::Read, &Fake::owner("r"), Instant::now());
+    let r2 = history.enter("r2", "b", Kind::Read, &Fake::owner("s"), Instant::now());
+    // A nested hold of the same owner is no conflict with itself.
+    let outer = history.enter(
+        "outer",
+        "c",
+        Kind::Exclusive,
+        &Fake::owner("z"),
+        Instant::now(),
+    );
+    let nested = history.enter(
+        "nested",
+        "c",
+        Kind::Exclusive,
+        &Fake::owner("z"),
+        Instant::now(),
+    );
+    drop((r1, r2, outer, nested));
+    assert_eq!(violations(&history), Vec::<String>::new());
+}
+
+#[test]
+fn an_overlap_of_conflicting_holders_is_rejected() {
+    let history = Arc::new(History::default());
+    let _reader = history.enter("reader", "a", Kind::Read, &Fake::owner("x"), Instant::now());
+    let _writer = history.enter(
+        "writer",
+        "a",
+        Kind::Write,
+        &Fake::owner("y"),
+        Instant::now(),
+    );
+    let found = violations(&history);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].starts_with("overlap:"), "{found:?}");
+}
+
+#[test]
+fn an_expired_holder_conflicts_with_nobody() {
+    let history = Arc::new(History::default());
+    let gone = Fake {
+        remaining: Duration::ZERO,
+        ..Fake::owner("x")
+    };
+    let _old = history.enter("old", "a", Kind::Exclusive, &gone, Instant::now());
+    let _new = history.enter(
+        "new",
+        "a",
+        Kind::Exclusive,
+        &Fake::owner("y"),
+        Instant::now(),
+    );
+    assert_eq!(violations(&history), Vec::<String>::new());
+}
+
+#[test]
+fn a_stale_fence_is_rejected() {
+    let history = Arc::new(History::default());
+    let first = Fake {
+        fence: Some(5),
+        ..Fake::owner("x")
+    };
+    drop(history.enter("one", "a", Kind::Exclusive, &first, Instant::now()));
+    let asked = Instant::now();
+    let larger = Fake {
+        fence: Some(6),
+        ..Fake::owner("y")
+    };
+    drop(history.enter("two", "a", Kind::Exclusive, &larger, asked));
+    assert_eq!(violations(&history), Vec::<String>::new());
+    let asked = Instant::now();
+    let stale = Fake {
+        fence: Some(6),
+        ..Fake::owner("z")
+    };
+    drop(history.enter("three", "a", Kind::Exclusive, &stale, asked));
+    let found = violations(&history);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].starts_with("fencing:"), "{found:?}");
+}
+
+#[test]
+fn a_free_lock_left_while_a_waiter_sleeps_past_the_bound_is_rejected() {
+    let history = Arc::new(History::default());
+    let free = Instant::now();
+    assert_eq!(
+        history.starved("a", free, free + STARVED * 4),
+        Judged::NobodyWaits
+    );
+    let _waiting = history.waits("patient", "a");
+    let now = Instant::now();
+    assert_eq!(history.starved("a", free, now + STARVED / 2), Judged::Fine);
+    assert_eq!(violations(&history), Vec::<String>::new());
+    assert_eq!(
+        history.starved("a", free, now + STARVED * 2),
+        Judged::Starved
+    );
+    let found = violations(&history);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].starts_with("liveness:"), "{found:?}");
+}
+
+#[test]
+fn a_fault_window_excuses_a_free_stretch_it_covers() {
+    let history = Arc::new(History::default());
+    let _waiting = history.waits("patient", "a");
+    let free = Instant::now();
+    history.lock().fault_windows.push((free, Some(free)));
+    // The recovery after the fault covers the whole stretch.
+    assert_eq!(history.starved("a", free, free + RECOVERY), Judged::Fine);
+    assert_eq!(violations(&history), Vec::<String>::new());
+}
+
+/// Marks the holds of `token` taken away, `ago`, with a steal's round trip of 1 ms.
+fn rob(history: &History, token: &Fake, ago: Duration) {
+    let stolen = Instant::now() - ago;
+    let robbed = (stolen, Duration::from_millis(1));
+    history.lock().robbed.insert(token.token.clone(), robbed);
+}
+
+#[test]
+fn a_pass_long_after_a_steal_is_rejected() {
+    let history = Arc::new(History::default());
+    let soon = Fake {
+        passes: 1,
+        ..Fake::owner("x")
+    };
+    rob(&history, &soon, Duration::ZERO);
+    drop(history.enter("next", "a", Kind::Exclusive, &soon, Instant::now()));
+    assert_eq!(violations(&history), Vec::<String>::new());
+    let late = Fake {
+        passes: 2,
+        ..Fake::owner("y")
+    };
+    rob(&history, &late, Duration::from_secs(1));
+    drop(history.enter("later", "a", Kind::Exclusive, &late, Instant::now()));
+    let found = violations(&history);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].starts_with("cohort:"), "{found:?}");
+}
+
+#[test]
+fn a_nested_acquire_granted_inside_a_stolen_hold_is_rejected() {
+    let history = Arc::new(History::default());
+    let robbed = Fake::owner("x");
+    rob(&history, &robbed, Duration::from_millis(5));
+    drop(history.enter("nested", "a", Kind::Exclusive, &robbed, Instant::now()));
+    let found = violations(&history);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].starts_with("lost:"), "{found:?}");
+}
+
+#[test]
+fn a_nested_acquire_granted_inside_a_lost_hold_is_an_overlap() {
+    let history = Arc::new(History::default());
+    let _thief = history.enter(
+        "thief",
+        "a",
+        Kind::Exclusive,
+        &Fake::owner("y"),
+        Instant::now(),
+    );
+    // The outer hold ran out; the nested acquire answered Ok with nothing left.
+    let lost = Fake {
+        remaining: Duration::ZERO,
+        ..Fake::owner("x")
+    };
+    let _nested = history.enter("nested", "a", Kind::Exclusive, &lost, Instant::now());
+    let found = violations(&history);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].starts_with("overlap:"), "{found:?}");
+}
+
+#[test]
+fn entering_before_a_nested_min_hold_ends_is_rejected() {
+    let history = Arc::new(History::default());
+    let set = Fake::owner("x");
+    history.min_hold("a", &set.token, Instant::now() + Duration::from_secs(5));
+    // The keeper itself may come back; the set released, someone else may not.
+    drop(history.enter("keeper", "a", Kind::Exclusive, &set, Instant::now()));
+    history.min_hold("b", &set.token, Instant::now());
+    drop(history.enter(
+        "after",
+        "b",
+        Kind::Exclusive,
+        &Fake::owner("z"),
+        Instant::now(),
+    ));
+    assert_eq!(violations(&history), Vec::<String>::new());
+    drop(history.enter(
+        "early",
+        "a",
+        Kind::Exclusive,
+        &Fake::owner("y"),
+        Instant::now(),
+    ));
+    let found = violations(&history);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].contains("min_hold"), "{found:?}");
+}
