@@ -314,3 +314,60 @@ async fn a_late_first_attempt_never_keeps_the_key_after_its_retry_was_released()
         .await
         .unwrap();
 }
+
+#[tokio::test]
+async fn a_set_whose_nested_hold_ends_while_it_waits_is_refused() {
+    let server = shared_server();
+    let prefix = unique_prefix("seams-set-nested-expiring");
+    let (a, b, c) = (
+        manager(&server, &prefix).await,
+        manager(&server, &prefix).await,
+        manager(&server, &prefix).await,
+    );
+    let blocker = c
+        .lock("j")
+        .ttl(Duration::from_secs(10))
+        .acquire()
+        .await
+        .unwrap();
+    distlock::scope(async {
+        let outer = a
+            .lock("k")
+            .ttl(Duration::from_millis(150))
+            .reentrant(true)
+            .acquire()
+            .await
+            .unwrap();
+        // The set nests `k` and waits for `j`; meanwhile `k`'s lease runs out and another
+        // manager takes it, and only then is `j` free.
+        let set = a
+            .lock_all(["k", "j"])
+            .reentrant(true)
+            .wait(Duration::from_secs(10))
+            .acquire();
+        let thief = async {
+            let thief = b
+                .lock("k")
+                .ttl(Duration::from_secs(10))
+                .wait(Duration::from_secs(10))
+                .acquire()
+                .await
+                .unwrap();
+            blocker.release().await.unwrap();
+            thief
+        };
+        let (set, thief) = tokio::join!(set, thief);
+        assert!(
+            matches!(&set, Err(LockError::Lost { key, .. }) if key == "k"),
+            "a set nesting a hold that ended while it waited: {:?}",
+            set.as_ref().map(|_| ())
+        );
+        assert!(outer.is_lost());
+        assert!(thief.is_held().await.unwrap(), "the thief keeps `k`");
+        // The set's own lock went back with the refusal.
+        let j = c.lock("j").try_acquire().await.unwrap();
+        assert!(j.is_some(), "`j` was left held by the refused set");
+        thief.release().await.unwrap();
+    })
+    .await;
+}
