@@ -78,6 +78,7 @@ mod duration;
 mod election;
 mod engine;
 mod error;
+pub mod fence;
 mod guard;
 mod guarded;
 mod holds;

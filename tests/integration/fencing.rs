@@ -339,3 +339,8 @@ async fn redlock_refuses_guarded_writes() {
     );
     guard.release().await.unwrap();
 }
+
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "postgres")]
+mod race;

@@ -27,12 +27,14 @@ use std::time::{Duration, Instant};
 
 mod certs;
 mod network;
+mod postgres;
 mod provision;
 mod proxy;
 
 pub use certs::TestCertificates;
 use network::Host;
 pub use network::{Network, Path};
+pub use postgres::{POSTGRES_BIN_ENV, POSTGRES_USER, PostgresServer};
 pub use proxy::{Fault, FaultProxy};
 
 /// The environment variable that names the `redis-server` binary to use.
