@@ -173,3 +173,33 @@ async fn a_guard_without_a_token_and_bad_names_are_refused() {
     drop(tx);
     guard.release().await.unwrap();
 }
+
+#[allow(dead_code, unreachable_pub)]
+#[path = "../../../examples/fenced.rs"]
+mod fenced;
+
+#[tokio::test]
+async fn the_fenced_example_refuses_the_woken_holders_writes() {
+    let pg = PostgresServer::start().unwrap();
+    let server = shared_server();
+    let story = fenced::run(
+        &server.url(),
+        &pg.connection_string(),
+        &unique_prefix("fencing-example"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(story.redis_value, "next");
+    assert_eq!(story.sql_value, "next");
+    let woken: Vec<&String> = story
+        .lines
+        .iter()
+        .filter(|l| l.starts_with("woken"))
+        .collect();
+    assert_eq!(woken.len(), 2, "{:?}", story.lines);
+    assert!(
+        woken.iter().all(|l| l.contains("refused")),
+        "{:?}",
+        story.lines
+    );
+}
