@@ -7,7 +7,8 @@
 //! earlier; see `bench/scale.rs`), or `-- --soak 1000000` to
 //! check that a million cycles leave nothing behind, or `-- --only manual 1` to run one
 //! uncontended workload — `raw`, `manual` or `annotated` — with that many tasks for the row's
-//! time, alone, for a profiler such as `valgrind --tool=callgrind`). It starts its own
+//! time, alone, for a profiler such as `valgrind --tool=callgrind`; `-- --writes` for the
+//! "writes under a held lock" table alone: a plain write beside a guarded one). It starts its own
 //! `redis-server` (on
 //! `PATH` unless `--server` or `DISTLOCK_REDIS_SERVER` names another) and prints one table.
 //! The comparison with rslock lives in `bench/compare`, outside the workspace.
@@ -23,6 +24,8 @@ use distlock::testing::RedisServer;
 mod harness;
 #[path = "../bench/scale.rs"]
 mod scale;
+#[path = "../bench/writes.rs"]
+mod writes;
 
 use harness::{Annotated, Commands, Fair, Manual, Raw, Server};
 
@@ -127,6 +130,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let raw = Raw(redis::Client::open(url.as_str())?
         .get_multiplexed_async_connection()
         .await?);
+    if args.iter().any(|a| a == "--writes") {
+        return writes::run(&server, &locks, &raw.0, run).await;
+    }
     if let Some(at) = args.iter().position(|a| a == "--only") {
         let usage = "--only takes a workload and a number of tasks, such as `--only manual 1`";
         let workload = args.get(at + 1).ok_or(usage)?;
@@ -236,6 +242,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             commands.per(pairs)
         );
     }
+
+    writes::run(&server, &locks, &raw.0, run).await?;
 
     println!("\ncontended: one key");
     println!(

@@ -295,6 +295,11 @@ impl LockGuard {
     pub(crate) fn held(&self) -> &Arc<Held> {
         &self.parts.held
     }
+
+    /// The manager this guard's hold belongs to (for guarded writes).
+    pub(crate) fn manager(&self) -> &LockManager {
+        &self.parts.manager
+    }
 }
 
 impl Drop for LockGuard {

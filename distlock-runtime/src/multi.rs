@@ -341,6 +341,21 @@ fn hold_ids(key: &SetKey, token: &str, late_until: Option<Instant>) -> HoldIds {
 }
 
 impl MultiGuard {
+    /// What a guarded write must find held: each key's name and hold, those this set took
+    /// and those nested in holds of this code (for guarded writes).
+    pub(crate) fn write_holds(&self) -> (&LockManager, Vec<(String, Arc<Held>)>) {
+        let fresh = self
+            .fresh
+            .iter()
+            .map(|keys| keys.name.clone())
+            .zip(self.held.iter().cloned());
+        let nested = self
+            .nested
+            .iter()
+            .map(|guard| (guard.key().to_owned(), guard.held().clone()));
+        (&self.manager, fresh.chain(nested).collect())
+    }
+
     /// The keys of the set as requested (without the manager's prefix), each once, in the
     /// order first named.
     pub fn keys(&self) -> &[String] {

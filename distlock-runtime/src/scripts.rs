@@ -112,9 +112,19 @@ pub(crate) static MULTI_RELEASE: LazyLock<Script> = LazyLock::new(|| {
 pub(crate) static FORCE_RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("scripts/force_release.lua")));
 
+/// Run a caller's commands only while its locks are held (see `guarded.rs` for the call):
+/// `{1, replies}`, `{0, index}` not held, `{-1, state}` receipt already used.
+pub(crate) static GUARDED_WRITE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("scripts/held_by.lua"),
+        include_str!("scripts/guarded_write.lua")
+    ))
+});
+
 /// Every script, for loading them all when a manager connects.
-pub(crate) fn all() -> [&'static Script; 13] {
+pub(crate) fn all() -> [&'static Script; 14] {
     [
+        &GUARDED_WRITE,
         &UNLOCK,
         &WITHDRAW_INTENT,
         &FAIR,

@@ -33,6 +33,7 @@ mod examples;
 mod exclusive;
 mod fair;
 mod faults;
+mod fencing;
 mod handoff;
 mod history;
 mod kinds;

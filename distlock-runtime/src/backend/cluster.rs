@@ -29,8 +29,8 @@ pub(super) fn client<'s>(
 /// The Cluster hash slot of `key`: CRC16 (XMODEM) of its hash tag (or of the whole key
 /// without one), modulo 16384. (`redis::cluster_routing::Slot` does not expose its number,
 /// and the global order needs one.)
-fn slot_of(key: &str) -> u16 {
-    let key = key.as_bytes();
+pub(crate) fn slot_of(key: impl AsRef<[u8]>) -> u16 {
+    let key = key.as_ref();
     let tag = key
         .iter()
         .position(|&b| b == b'{')

@@ -24,6 +24,7 @@ mod route;
 mod sentinel;
 mod sets;
 
+pub(crate) use cluster::slot_of;
 pub(crate) use hold::{
     AcquireAnswer, AcquireRequest, FAIR_REFRESH, FairQueue, FairRelease, HoldIds, Renewal, Shape,
     token_text,
@@ -65,6 +66,11 @@ pub(crate) struct Capabilities {
     pub(crate) fencing: bool,
     /// Read-write locks and semaphores. Not with RedLock.
     pub(crate) shared_kinds: bool,
+    /// Guarded writes: one server checks the owner and runs the commands. Not with RedLock,
+    /// where no single master can decide who holds the lock.
+    pub(crate) guarded_writes: bool,
+    /// The keys of one script must share a hash slot (Cluster).
+    pub(crate) one_slot: bool,
 }
 
 /// Runs the arm of the backend's deployment. The RedLock arm is boxed: its fan-out over the
@@ -133,12 +139,16 @@ impl Backend {
                 fair: true,
                 fencing: true,
                 shared_kinds: true,
+                guarded_writes: true,
+                one_slot: !node.route.one_server(),
             },
             Deployment::RedLock(_) => Capabilities {
                 hand_off: false,
                 fair: false,
                 fencing: false,
                 shared_kinds: false,
+                guarded_writes: false,
+                one_slot: false,
             },
         }
     }

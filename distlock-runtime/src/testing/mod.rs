@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 mod certs;
 mod cluster;
 mod network;
+mod postgres;
 mod provision;
 mod proxy;
 mod replicas;
@@ -37,6 +38,7 @@ mod single;
 pub use certs::TestCertificates;
 use network::Host;
 pub use network::{Network, Path};
+pub use postgres::{POSTGRES_BIN_ENV, POSTGRES_USER, PostgresServer};
 pub use proxy::{Fault, FaultProxy};
 use sentinel::Monitor;
 

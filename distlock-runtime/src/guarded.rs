@@ -1,0 +1,473 @@
+//! Guarded writes: the caller's own Redis commands, run on the server only while the guard's
+//! owner token still holds the lock.
+//!
+//! A lease ends by time, so a holder that was paused (a long GC pause, a stopped VM) may wake
+//! up after another owner took the lock. A write it then sends through a plain connection
+//! lands anyway. A guarded write sends the check and the commands as one script
+//! (`scripts/guarded_write.lua`): the server runs the commands only if every lock is still
+//! held by the writer's token, and nothing can run between the check and the commands.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::{FromRedisValue, ScriptInvocation, Value};
+
+use crate::backend::slot_of;
+use crate::context::{Held, HoldKind};
+use crate::manager::LockManager;
+use crate::{LockError, LockGuard, MultiGuard};
+
+/// How long the server keeps a batch's receipt (see [`Batch::receipt`]): the time within
+/// which [`LockGuard::receipt_landed`] can tell whether that batch ran.
+pub const RECEIPT_TTL: Duration = Duration::from_secs(600);
+
+/// The longest receipt id accepted, in bytes.
+const MAX_RECEIPT_LEN: usize = 256;
+
+/// The commands of one guarded write (see [`LockGuard::guarded_write`]), in order.
+///
+/// Each command is written as `name keys… args…`: the first arguments of a command are its
+/// keys, which are declared to the server (it routes and checks scripts by their declared
+/// keys). [`command`](Self::command) takes the first argument as the only key, which fits
+/// most writes (`SET`, `HSET`, `INCR`, `LPUSH`, `ZADD`, `XADD`, `EXPIRE`, `DEL key`…);
+/// [`command_with_keys`](Self::command_with_keys) says how many come first (`DEL a b`,
+/// `SMOVE from to member`, or 0 for a command without keys). A command whose keys are
+/// interleaved with other arguments (`MSET a 1 b 2`) is written as several commands.
+///
+/// A `redis::Cmd` or a `redis::Pipeline` converts into a batch, each command with one key.
+/// A pipeline's `ignore()` and `atomic()` are not seen: every command's reply comes back,
+/// and the whole batch is atomic anyway.
+///
+/// ```
+/// use distlock_runtime::Batch;
+///
+/// let mut batch = Batch::new();
+/// batch
+///     .command(redis::cmd("SET").arg("app:{orders}:d:total").arg(42))
+///     .command_with_keys(redis::cmd("DEL").arg("app:{orders}:d:a").arg("app:{orders}:d:b"), 2)
+///     .receipt("order-1017");
+/// assert_eq!(batch.len(), 2);
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct Batch {
+    commands: Vec<Command>,
+    receipt: Option<String>,
+    /// The first command that could not be taken, and why: reported by the write.
+    refused: Option<String>,
+}
+
+/// One command of a batch, split into what the script receives.
+#[derive(Debug, Clone)]
+struct Command {
+    name: Vec<u8>,
+    keys: Vec<Vec<u8>>,
+    args: Vec<Vec<u8>>,
+}
+
+impl Batch {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `cmd`, whose first argument (if it has one) is its key.
+    pub fn command(&mut self, cmd: &redis::Cmd) -> &mut Self {
+        let keys = usize::from(cmd.args_iter().len() > 1);
+        self.command_with_keys(cmd, keys)
+    }
+
+    /// Adds `cmd`, whose first `keys` arguments after the command's name are keys.
+    pub fn command_with_keys(&mut self, cmd: &redis::Cmd, keys: usize) -> &mut Self {
+        match split(cmd, keys) {
+            Ok(command) => self.commands.push(command),
+            Err(reason) => {
+                self.refused.get_or_insert(reason);
+            }
+        }
+        self
+    }
+
+    /// Names this batch with `id`, chosen by the caller and unique among the batches written
+    /// under this lock: the server records the id in the lock's slot (for [`RECEIPT_TTL`])
+    /// when the batch runs, and refuses a second batch with the same id. If the write's
+    /// future is dropped before its answer, [`LockGuard::receipt_landed`] tells whether the
+    /// batch ran, and makes sure it never runs later.
+    pub fn receipt(&mut self, id: impl Into<String>) -> &mut Self {
+        self.receipt = Some(id.into());
+        self
+    }
+
+    /// How many commands the batch has.
+    pub fn len(&self) -> usize {
+        self.commands.len()
+    }
+
+    /// Whether the batch has no command.
+    pub fn is_empty(&self) -> bool {
+        self.commands.is_empty()
+    }
+}
+
+impl From<&redis::Cmd> for Batch {
+    fn from(cmd: &redis::Cmd) -> Self {
+        let mut batch = Self::new();
+        batch.command(cmd);
+        batch
+    }
+}
+
+impl From<redis::Cmd> for Batch {
+    fn from(cmd: redis::Cmd) -> Self {
+        Self::from(&cmd)
+    }
+}
+
+impl From<&redis::Pipeline> for Batch {
+    fn from(pipe: &redis::Pipeline) -> Self {
+        let mut batch = Self::new();
+        for cmd in pipe.cmd_iter() {
+            batch.command(cmd);
+        }
+        batch
+    }
+}
+
+impl From<redis::Pipeline> for Batch {
+    fn from(pipe: redis::Pipeline) -> Self {
+        Self::from(&pipe)
+    }
+}
+
+impl From<&mut redis::Cmd> for Batch {
+    fn from(cmd: &mut redis::Cmd) -> Self {
+        Self::from(&*cmd)
+    }
+}
+
+impl From<&mut redis::Pipeline> for Batch {
+    fn from(pipe: &mut redis::Pipeline) -> Self {
+        Self::from(&*pipe)
+    }
+}
+
+impl From<&Batch> for Batch {
+    fn from(batch: &Batch) -> Self {
+        batch.clone()
+    }
+}
+
+impl From<&mut Batch> for Batch {
+    fn from(batch: &mut Batch) -> Self {
+        batch.clone()
+    }
+}
+
+/// `cmd` as a name, `keys` keys and the other arguments.
+fn split(cmd: &redis::Cmd, keys: usize) -> Result<Command, String> {
+    let mut parts = Vec::with_capacity(cmd.args_iter().len());
+    for arg in cmd.args_iter() {
+        match arg {
+            redis::Arg::Simple(bytes) => parts.push(bytes.to_vec()),
+            _ => return Err("a guarded write takes only plain arguments, no cursor".to_owned()),
+        }
+    }
+    let mut parts = parts.into_iter();
+    let name = parts
+        .next()
+        .ok_or_else(|| "a command of a guarded write has no name".to_owned())?;
+    let rest: Vec<Vec<u8>> = parts.collect();
+    if keys > rest.len() {
+        return Err(format!(
+            "`{}` has {} argument(s), fewer than the {keys} key(s) it was said to have",
+            String::from_utf8_lossy(&name),
+            rest.len()
+        ));
+    }
+    let mut rest = rest;
+    let args = rest.split_off(keys);
+    Ok(Command {
+        name,
+        keys: rest,
+        args,
+    })
+}
+
+/// One lock a guarded write must find held: its name (for errors) and its hold.
+type Guarding = (String, Arc<Held>);
+
+/// The receipt key of `id` under the lock `lock`: in the lock's slot.
+fn receipt_key(lock: &str, id: &str) -> String {
+    format!("{lock}:r:{id}")
+}
+
+/// The key `name` in the slot of the lock `lock`.
+fn data_key(lock: &str, name: &str) -> String {
+    format!("{lock}:d:{name}")
+}
+
+/// Refuses a write the deployment or the holds cannot guard.
+fn check(manager: &LockManager, holds: &[Guarding], batch: &Batch) -> Result<(), LockError> {
+    let capabilities = manager.inner.backend.capabilities();
+    if !capabilities.guarded_writes {
+        return Err(LockError::invalid(
+            "guarded write",
+            "RedLock masters decide a lock only by majority, so no single server can check \
+             the owner and run the commands atomically",
+        ));
+    }
+    if let Some(reason) = &batch.refused {
+        return Err(LockError::invalid("guarded write", reason.clone()));
+    }
+    if let Some((name, held)) = holds.iter().find(|(_, h)| h.kind != HoldKind::Exclusive) {
+        let kind = if held.kind == HoldKind::Read {
+            "a read lock"
+        } else {
+            "a semaphore permit"
+        };
+        return Err(LockError::invalid(
+            "guarded write",
+            format!(
+                "`{name}` is held as {kind}, which other holders share at the same time: \
+                 only an exclusive, write or fair lock (or a set of them) guards a write"
+            ),
+        ));
+    }
+    if let Some(id) = &batch.receipt
+        && (id.is_empty() || id.len() > MAX_RECEIPT_LEN)
+    {
+        return Err(LockError::invalid(
+            "receipt",
+            format!("a receipt id must have 1 to {MAX_RECEIPT_LEN} bytes"),
+        ));
+    }
+    if capabilities.one_slot {
+        check_slots(holds, batch)?;
+    }
+    Ok(())
+}
+
+/// On Cluster: every lock and every key of the batch must share the first lock's slot.
+fn check_slots(holds: &[Guarding], batch: &Batch) -> Result<(), LockError> {
+    let (first, first_held) = &holds[0];
+    let slot = slot_of(&first_held.ids.lock);
+    if let Some((name, _)) = holds.iter().find(|(_, h)| slot_of(&h.ids.lock) != slot) {
+        return Err(LockError::invalid(
+            "guarded write",
+            format!(
+                "on Cluster a guarded write runs in one hash slot, and the locks `{first}` \
+                 and `{name}` are in different ones: give the set's keys one hash tag"
+            ),
+        ));
+    }
+    let keys = batch.commands.iter().flat_map(|c| &c.keys);
+    if let Some(key) = keys.into_iter().find(|key| slot_of(key) != slot) {
+        return Err(LockError::invalid(
+            "key",
+            format!(
+                "`{}` is not in the hash slot of lock `{first}`: on Cluster a guarded write \
+                 runs in the lock's slot (make its keys with `key_in_slot`)",
+                String::from_utf8_lossy(key)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The script call of a guarded write of `batch` under `holds`.
+fn call(holds: &[Guarding], batch: &Batch) -> ScriptInvocation<'static> {
+    let mut call = crate::scripts::GUARDED_WRITE.prepare_invoke();
+    call.arg(holds.len());
+    for (_, held) in holds {
+        call.key(held.ids.lock.as_str())
+            .arg(held.ids.token.as_str());
+    }
+    match &batch.receipt {
+        Some(id) => {
+            call.key(receipt_key(&holds[0].1.ids.lock, id))
+                .arg(crate::scripts::millis(RECEIPT_TTL));
+        }
+        None => {
+            call.arg(0);
+        }
+    }
+    call.arg(batch.commands.len());
+    for command in &batch.commands {
+        call.arg(command.keys.len())
+            .arg(command.args.len())
+            .arg(command.name.as_slice());
+        for key in &command.keys {
+            call.key(key.as_slice());
+        }
+        for arg in &command.args {
+            call.arg(arg.as_slice());
+        }
+    }
+    call
+}
+
+/// Runs `batch` under `holds` and reads its replies as `T`.
+async fn write<T: FromRedisValue>(
+    manager: &LockManager,
+    holds: Vec<Guarding>,
+    batch: Batch,
+) -> Result<T, LockError> {
+    if holds.is_empty() {
+        return Err(LockError::invalid("guarded write", "no lock guards it"));
+    }
+    check(manager, &holds, &batch)?;
+    let first = holds[0].0.clone();
+    let call = call(&holds, &batch);
+    let answer = manager
+        .inner
+        .exec(move |backend| async move { backend.nodes()[0].invoke::<Value>(&call).await })
+        .await?
+        .map_err(|e| LockError::redis(&first, e))?;
+    let redis_error = |e: redis::ParsingError| LockError::redis(&first, e.into());
+    let (status, detail): (i64, Value) =
+        FromRedisValue::from_redis_value(answer).map_err(redis_error)?;
+    match status {
+        1 => T::from_redis_value(detail).map_err(redis_error),
+        0 => {
+            let at = usize::try_from(i64::from_redis_value(detail).map_err(redis_error)?)
+                .unwrap_or(1)
+                .clamp(1, holds.len());
+            let (name, held) = &holds[at - 1];
+            held.lease.mark_lost();
+            Err(LockError::Lost { key: name.clone() })
+        }
+        _ => Err(LockError::invalid(
+            "receipt",
+            format!(
+                "receipt `{}` of lock `{first}` was already used (a batch with it ran, or \
+                 `receipt_landed` withdrew it): nothing ran",
+                batch.receipt.unwrap_or_default()
+            ),
+        )),
+    }
+}
+
+/// Whether the batch with receipt `id` under the lock of `held` ran; if it did not, it
+/// never will (the receipt is taken as withdrawn).
+async fn landed(
+    manager: &LockManager,
+    name: &str,
+    held: &Held,
+    id: &str,
+) -> Result<bool, LockError> {
+    if !manager.inner.backend.capabilities().guarded_writes {
+        return Err(LockError::invalid(
+            "guarded write",
+            "RedLock runs no guarded writes, so no receipt was recorded",
+        ));
+    }
+    let key = receipt_key(&held.ids.lock, id);
+    let withdraw = redis::cmd("SET")
+        .arg(&key)
+        .arg("0")
+        .arg("NX")
+        .arg("PX")
+        .arg(crate::scripts::millis(RECEIPT_TTL))
+        .to_owned();
+    let get = redis::cmd("GET").arg(&key).to_owned();
+    manager
+        .inner
+        .exec(move |backend| async move {
+            let node = &backend.nodes()[0];
+            if node.query::<Option<String>>(&withdraw).await?.is_some() {
+                // Withdrawn now: the batch had not run, and its script, if it still comes,
+                // finds the receipt and runs nothing.
+                return Ok(false);
+            }
+            Ok(node.query::<Option<String>>(&get).await?.as_deref() == Some("1"))
+        })
+        .await?
+        .map_err(|e: redis::RedisError| LockError::redis(name, e))
+}
+
+impl LockGuard {
+    /// Runs `batch` (a `redis::Cmd`, a `redis::Pipeline` or a [`Batch`]) atomically on the
+    /// server, only if this guard's owner token still holds the lock, in one round trip;
+    /// the replies come back as `T` (one reply per command, in order: a tuple, a `Vec`…).
+    ///
+    /// If the lock is no longer held (its lease expired, another owner took it, it was
+    /// released by force) nothing runs and the answer is [`LockError::Lost`]. The batch's
+    /// keys belong in the lock's hash slot: make them with [`key_in_slot`](Self::key_in_slot).
+    /// On Cluster a key in another slot is refused before anything is sent; with RedLock
+    /// every guarded write is refused ([`LockError::InvalidInput`]), and so is one from a
+    /// read lock or a semaphore permit, whose holders overlap.
+    ///
+    /// To stamp what it writes with the fencing token, pass
+    /// [`fencing_token`](Self::fencing_token) as an argument: the batch runs only while this
+    /// hold is the lock's, so the stamp is the current holder's. A command that fails on the
+    /// server fails the call ([`LockError::Redis`]); the commands before it stay done, as in
+    /// `MULTI`/`EXEC`.
+    ///
+    /// If the future is dropped before the answer, the batch ran or it did not; give the
+    /// batch a [`receipt`](Batch::receipt) and ask [`receipt_landed`](Self::receipt_landed).
+    ///
+    /// ```no_run
+    /// # async fn run(guard: distlock_runtime::LockGuard) -> Result<(), distlock_runtime::LockError> {
+    /// let balance = guard.key_in_slot("balance");
+    /// let mut pipe = redis::pipe();
+    /// pipe.cmd("INCRBY").arg(&balance).arg(10)
+    ///     .cmd("SET").arg(guard.key_in_slot("stamp")).arg(guard.fencing_token().unwrap_or(0));
+    /// let (total, _): (i64, String) = guard.guarded_write(&pipe).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn guarded_write<T: FromRedisValue>(
+        &self,
+        batch: impl Into<Batch>,
+    ) -> Result<T, LockError> {
+        let holds = vec![(self.key().to_owned(), self.held().clone())];
+        write(self.manager(), holds, batch.into()).await
+    }
+
+    /// Whether the guarded write with receipt `id` (see [`Batch::receipt`]) ran: `true` when
+    /// it did; `false` when it had not, and then it never will (the receipt is withdrawn, so
+    /// the batch, if it still reaches the server, runs nothing). Answers within
+    /// [`RECEIPT_TTL`] of the write.
+    pub async fn receipt_landed(&self, id: &str) -> Result<bool, LockError> {
+        landed(self.manager(), self.key(), self.held(), id).await
+    }
+
+    /// The Redis key `name` in this lock's hash slot, `<lock key>:d:<name>`: where guarded
+    /// writes keep their data, so that they work on Cluster.
+    pub fn key_in_slot(&self, name: &str) -> String {
+        data_key(&self.held().ids.lock, name)
+    }
+}
+
+impl MultiGuard {
+    /// Runs `batch` atomically on the server only if this owner still holds every lock of
+    /// the set, in one round trip; otherwise nothing runs and the answer is
+    /// [`LockError::Lost`] naming a lock that was lost. As [`LockGuard::guarded_write`]; on
+    /// Cluster the set's keys (and the batch's) must share one hash slot.
+    pub async fn guarded_write<T: FromRedisValue>(
+        &self,
+        batch: impl Into<Batch>,
+    ) -> Result<T, LockError> {
+        let (manager, holds) = self.write_holds();
+        write(manager, holds, batch.into()).await
+    }
+
+    /// Whether the guarded write with receipt `id` ran; see [`LockGuard::receipt_landed`].
+    pub async fn receipt_landed(&self, id: &str) -> Result<bool, LockError> {
+        let (manager, holds) = self.write_holds();
+        let (name, held) = holds
+            .first()
+            .ok_or_else(|| LockError::invalid("guarded write", "the set holds no lock"))?;
+        landed(manager, name, held, id).await
+    }
+
+    /// The Redis key `name` in the hash slot of the set's lock `key`; see
+    /// [`LockGuard::key_in_slot`]. [`LockError::InvalidInput`] when `key` is not in the set.
+    pub fn key_in_slot(&self, key: &str, name: &str) -> Result<String, LockError> {
+        let (_, holds) = self.write_holds();
+        holds
+            .iter()
+            .find(|(held_name, _)| held_name == key)
+            .map(|(_, held)| data_key(&held.ids.lock, name))
+            .ok_or_else(|| LockError::invalid("key", format!("`{key}` is not a key of this set")))
+    }
+}
