@@ -48,6 +48,7 @@ mod replication;
 mod seams;
 mod secrets;
 mod sentinel;
+mod shards;
 mod shared;
 mod spans;
 mod tls;

@@ -218,7 +218,8 @@ impl Node {
     /// each answer with the master's address.
     async fn each_master(&self, conn: &mut Conn, cmd: &Cmd) -> RedisResult<Vec<(String, Value)>> {
         match conn {
-            Conn::Cluster(cluster) => {
+            Conn::Cluster(lanes) => {
+                let mut cluster = lanes.any();
                 let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
                 let answers = self.bounded(cluster.route_command(cmd.clone(), all)).await;
                 answers.and_then(|a| Ok(redis::from_redis_value(a)?))
@@ -244,7 +245,8 @@ impl Node {
                 })
                 .await?;
             }
-            Conn::Cluster(conn) => {
+            Conn::Cluster(lanes) => {
+                let conn = lanes.any();
                 let (_, masters) = self.ask_masters(&[redis::cmd("PING")]).await?;
                 for (address, _) in masters {
                     let Some((host, port)) = address
@@ -719,14 +721,15 @@ impl Node {
     }
 
     /// Renews every `(lock, share, token, lease)` still held by its token, in one round trip
-    /// (on Cluster, one per hash slot, all at once).
-    pub(crate) async fn renew(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<bool>> {
+    /// (on Cluster, one per hash slot, all at once). `None` for the items of a slot whose
+    /// call failed while others answered (see [`Route::per_slot_each`]).
+    pub(crate) async fn renew(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<Option<bool>>> {
         let locks = items.iter().map(|item| item.lock);
         let renew = |group: &[usize]| {
             let batch: Vec<Renewal<'_>> = group.iter().map(|&at| items[at]).collect();
             async move { self.renew_together(&batch).await }
         };
-        self.route.per_slot(locks, renew).await
+        self.route.per_slot_each(locks, renew).await
     }
 
     /// Renews leases that all live in one hash slot (any leases, off Cluster) in one call.

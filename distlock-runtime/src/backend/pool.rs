@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use redis::aio::MultiplexedConnection;
-use redis::cluster_async::ClusterConnection;
 use redis::{
     AsyncConnectionConfig, Client, Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisResult,
     Value,
@@ -277,7 +276,7 @@ pub(super) enum Conn {
     /// To the server, or the master Sentinel named.
     Server(Link),
     /// To the Cluster: each command goes to the master of its key's slot.
-    Cluster(ClusterConnection),
+    Cluster(super::cluster::Lanes),
 }
 
 /// What bounds the wait for an answer on a connection.
@@ -316,7 +315,7 @@ impl redis::aio::ConnectionLike for Conn {
     fn get_db(&self) -> i64 {
         match self {
             Self::Server(link) => link.db(),
-            Self::Cluster(conn) => conn.get_db(),
+            Self::Cluster(_) => 0,
         }
     }
 }
@@ -326,7 +325,7 @@ impl Query for Conn {
     async fn send_command(&mut self, cmd: &Cmd) -> RedisResult<Value> {
         match self {
             Self::Server(link) => link.send(cmd).await,
-            Self::Cluster(conn) => redis::aio::ConnectionLike::req_packed_command(conn, cmd).await,
+            Self::Cluster(lanes) => lanes.send(cmd).await,
         }
     }
 
@@ -338,9 +337,7 @@ impl Query for Conn {
     ) -> RedisResult<Vec<Value>> {
         match self {
             Self::Server(link) => link.send_pipeline(pipeline, offset, count).await,
-            Self::Cluster(conn) => {
-                redis::aio::ConnectionLike::req_packed_commands(conn, pipeline, offset, count).await
-            }
+            Self::Cluster(lanes) => lanes.send_pipeline(pipeline, offset, count).await,
         }
     }
 }
