@@ -13,6 +13,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::sync::Arc;
+use std::time::Duration;
 
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
@@ -32,7 +33,14 @@ pub(super) fn client<'s>(
         .ok_or_else(|| RedisError::from(io::Error::other("no Cluster seed given")))?;
     let builder = ClusterClient::builder(seeds.to_vec())
         .connection_timeout(options.connect_timeout)
-        .response_timeout(options.response_timeout);
+        // A backstop only: every request is bounded by a timer of its own (the response
+        // timeout, or for a WAIT after a grant that plus the WAIT's timeout).
+        .response_timeout(
+            options.response_timeout
+                + options
+                    .sync_replicas
+                    .map_or(Duration::ZERO, |(_, timeout)| timeout),
+        );
     let cluster = options.security.cluster(builder).build()?;
     Ok((first.as_str(), cluster))
 }

@@ -455,6 +455,11 @@ impl Node {
         call: &AcquireCall<'_>,
         (wanted, timeout): (u32, Duration),
     ) -> RedisResult<AcquireAnswer> {
+        if !self.route.one_server() {
+            return self
+                .acquire_replicated_cluster(req, call, (wanted, timeout))
+                .await;
+        }
         let mut conn = self.replicated_conn().await?;
         let answer = self.watch(self.bounded(call.run(&mut conn, &req.token)).await)?;
         if let AcquireAnswer::Held { .. } = answer {
@@ -479,6 +484,46 @@ impl Node {
             self.pool.put_back(conn);
         }
         Ok(answer)
+    }
+
+    /// [`acquire_replicated`](Self::acquire_replicated) on Cluster: the grant goes out on
+    /// the lane of its slot's master, and the `WAIT` after it on the same connection to the
+    /// same master (a command without a key follows the keyed one before it, see
+    /// `cluster::Lanes`). `WAIT` counts the replicas that have every write of that connection
+    /// so far, the grant among them.
+    async fn acquire_replicated_cluster(
+        &self,
+        req: &AcquireRequest,
+        call: &AcquireCall<'_>,
+        (wanted, timeout): (u32, Duration),
+    ) -> RedisResult<AcquireAnswer> {
+        let mut conn = self.conn().await?;
+        let answer = self.watch(self.bounded(call.run(&mut conn, &req.token)).await)?;
+        if let AcquireAnswer::Held { .. } = answer {
+            let acked = self.wait_replicas(&mut conn, wanted, timeout).await?;
+            if acked < wanted {
+                self.release(&req.hold_ids(), Duration::ZERO).await?;
+                return Ok(AcquireAnswer::Unreplicated { acked, wanted });
+            }
+        }
+        Ok(answer)
+    }
+
+    /// Sends `WAIT wanted timeout` on `conn` (after a grant on it) and returns how many
+    /// replicas acknowledged.
+    pub(super) async fn wait_replicas(
+        &self,
+        conn: &mut Conn,
+        wanted: u32,
+        timeout: Duration,
+    ) -> RedisResult<u32> {
+        let wait = redis::cmd("WAIT")
+            .arg(wanted)
+            .arg(millis(timeout))
+            .to_owned();
+        let limit = self.pool.response_timeout + timeout;
+        let acked: i64 = self.watch(bounded(limit, wait.query_async(conn)).await)?;
+        Ok(u32::try_from(acked).unwrap_or(0))
     }
 
     /// An idle connection of the current runtime for a grant and its WAIT, or a new one.

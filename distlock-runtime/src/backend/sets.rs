@@ -102,6 +102,21 @@ impl Node {
             let answer: Vec<i64> = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
             return set_answer(&answer);
         };
+        if !self.route.one_server() {
+            // On Cluster, the WAIT follows the grant on its slot's lane (see
+            // `Node::acquire_replicated_cluster`): each slot group waits on its own master.
+            let mut conn = self.conn().await?;
+            let answer: Vec<i64> = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
+            let attempt = set_answer(&answer)?;
+            if matches!(attempt, AcquireAnswer::Held(_)) {
+                let acked = self.wait_replicas(&mut conn, wanted, timeout).await?;
+                if acked < wanted {
+                    self.release_set(req).await?;
+                    return Ok(AcquireAnswer::Unreplicated { acked, wanted });
+                }
+            }
+            return Ok(attempt);
+        }
         // As for one lock: the grant and its WAIT on a connection of their own.
         let mut conn = self.replicated_conn().await?;
         let answer: Vec<i64> = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;

@@ -94,7 +94,8 @@ impl LockManagerBuilder {
     ///
     /// Waiters are woken through classic pub/sub on the first seed (a PUBLISH reaches every
     /// node of a cluster); if that node is down, their fallback timers take over.
-    /// `sync_replicas` is not available on Cluster.
+    /// With `sync_replicas`, each grant's `WAIT` goes to the master that granted it (for a
+    /// set, to each slot group's master).
     pub fn cluster<I, S>(mut self, seeds: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -319,11 +320,6 @@ impl LockManagerBuilder {
         ));
         let options = self.connect_options(&manager_id, &client_name, &driver);
         let timeouts = (options.connect_timeout, options.response_timeout);
-        if matches!(self.topology, Topology::Cluster(_)) && self.sync_replicas.is_some() {
-            return Err(LockError::Config(
-                "`sync_replicas` is not available with `cluster`".into(),
-            ));
-        }
         let backend = self.connect(options, &target, &registry, &driver).await?;
         tracing::debug!(target = %target, prefix = %self.prefix, "lock manager connected");
         let manager = LockManager {
