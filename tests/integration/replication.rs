@@ -196,3 +196,34 @@ async fn on_a_cluster_with_live_replicas_grants_and_sets_are_acknowledged() {
         .unwrap();
     set.release().await.unwrap();
 }
+
+/// Whether the server the kit starts has `WAITAOF` (Redis 7.2+, Valkey 8+).
+fn has_waitaof(server: &RedisServer) -> bool {
+    let info = server.command(&["COMMAND", "INFO", "WAITAOF"]).unwrap();
+    // The command's own name comes back where it exists.
+    info.to_ascii_lowercase().contains("waitaof")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waitaof_acknowledges_where_the_server_has_it_and_is_refused_where_not() {
+    let master = RedisServer::start().unwrap();
+    let replica = RedisServer::start_replica_of(&master).unwrap();
+    replica
+        .command(&["CONFIG", "SET", "appendonly", "yes"])
+        .unwrap();
+    let built = support::quick(support::single(master.url()), "aof:")
+        .sync_replicas(1, Duration::from_secs(2))
+        .sync_replicas_aof(true)
+        .build()
+        .await;
+    if !has_waitaof(&master) {
+        let error = built.expect_err("a server without WAITAOF is refused at build()");
+        assert!(error.to_string().contains("WAITAOF"), "{error}");
+        return;
+    }
+    let locks = built.unwrap();
+    let guard = locks.lock("k").acquire().await.unwrap();
+    let on_replica = replica.command(&["EXISTS", &locks.redis_key("k")]).unwrap();
+    assert_eq!(on_replica, ":1", "acknowledged, so present on the replica");
+    guard.release().await.unwrap();
+}

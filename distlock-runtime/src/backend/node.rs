@@ -122,6 +122,13 @@ impl Node {
         for script in scripts::all() {
             bounded(limit, script.prepare_invoke().load_async(&mut conn)).await?;
         }
+        if self.pool.sync_replicas.is_some() && self.pool.sync_aof {
+            let info = redis::cmd("COMMAND").arg("INFO").arg("WAITAOF").to_owned();
+            let answer: Vec<redis::Value> = self.bounded(info.query_async(&mut conn)).await?;
+            if answer.iter().all(|v| matches!(v, redis::Value::Nil)) {
+                return Err(io::Error::other(WAITAOF_MISSING).into());
+            }
+        }
         let delete = self.native_delete(&mut conn).await;
         *self.pool.delete.lock().unwrap_or_else(|e| e.into_inner()) = delete;
         if self.route.one_server() {
@@ -463,19 +470,8 @@ impl Node {
         let mut conn = self.replicated_conn().await?;
         let answer = self.watch(self.bounded(call.run(&mut conn, &req.token)).await)?;
         if let AcquireAnswer::Held { .. } = answer {
-            let wait = redis::cmd("WAIT")
-                .arg(wanted)
-                .arg(millis(timeout))
-                .to_owned();
-            let acked: i64 = self.watch(
-                bounded(
-                    self.pool.response_timeout + timeout,
-                    wait.query_async(&mut conn),
-                )
-                .await,
-            )?;
+            let acked = self.wait_replicas(&mut conn, wanted, timeout).await?;
             self.pool.put_back(conn);
-            let acked = u32::try_from(acked).unwrap_or(0);
             if acked < wanted {
                 self.release(&req.hold_ids(), Duration::ZERO).await?;
                 return Ok(AcquireAnswer::Unreplicated { acked, wanted });
@@ -509,19 +505,28 @@ impl Node {
         Ok(answer)
     }
 
-    /// Sends `WAIT wanted timeout` on `conn` (after a grant on it) and returns how many
-    /// replicas acknowledged.
-    pub(super) async fn wait_replicas(
+    /// Sends `WAIT wanted timeout` (with `sync_replicas_aof`, `WAITAOF 0 wanted timeout`)
+    /// on `conn` after a grant on it, and returns how many replicas acknowledged.
+    pub(super) async fn wait_replicas<C: redis::aio::ConnectionLike>(
         &self,
-        conn: &mut Conn,
+        conn: &mut C,
         wanted: u32,
         timeout: Duration,
     ) -> RedisResult<u32> {
+        let limit = self.pool.response_timeout + timeout;
+        if self.pool.sync_aof {
+            let wait = redis::cmd("WAITAOF")
+                .arg(0)
+                .arg(wanted)
+                .arg(millis(timeout))
+                .to_owned();
+            let acked: (i64, i64) = self.watch(bounded(limit, wait.query_async(conn)).await)?;
+            return Ok(u32::try_from(acked.1).unwrap_or(0));
+        }
         let wait = redis::cmd("WAIT")
             .arg(wanted)
             .arg(millis(timeout))
             .to_owned();
-        let limit = self.pool.response_timeout + timeout;
         let acked: i64 = self.watch(bounded(limit, wait.query_async(conn)).await)?;
         Ok(u32::try_from(acked).unwrap_or(0))
     }
@@ -865,6 +870,10 @@ impl Node {
 }
 
 /// How much longer than the response timeout a request bounded by a timer may take.
+/// Why `build()` fails with `sync_replicas_aof` on a server without `WAITAOF`.
+pub(crate) const WAITAOF_MISSING: &str = "`sync_replicas_aof` needs WAITAOF (Redis 7.2 or later, Valkey 8 or later), which this \
+     server does not have";
+
 const ANSWER_SLACK: Duration = Duration::from_millis(50);
 
 /// A command named `name` with room for `args` more arguments of `bytes` in all, so that

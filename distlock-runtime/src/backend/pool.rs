@@ -28,6 +28,9 @@ pub(crate) struct ConnectOptions {
     pub(crate) response_timeout: Duration,
     /// After each grant, WAIT for this many replicas, this long.
     pub(crate) sync_replicas: Option<(u32, Duration)>,
+    /// With `sync_replicas`: WAITAOF (the grant fsynced to the replicas' append-only files)
+    /// instead of WAIT.
+    pub(crate) sync_aof: bool,
     /// How long a RedLock master that restarted stays out of quorums.
     pub(crate) restart_delay: Duration,
     /// Credentials and TLS material beyond what the URLs say.
@@ -59,6 +62,8 @@ pub(super) struct Pool {
     pub(super) connect_timeout: Duration,
     /// After each grant, WAIT for this many replicas, this long.
     pub(super) sync_replicas: Option<(u32, Duration)>,
+    /// With `sync_replicas`: WAITAOF instead of WAIT.
+    pub(super) sync_aof: bool,
     /// The connection of each runtime that used the endpoint.
     pub(super) by_runtime: RwLock<IdMap<runtime::Id, Conn>>,
     /// The runtimes whose shutdown is watched (see [`forget_on_shutdown`]): a runtime whose
@@ -120,6 +125,7 @@ impl Pool {
             response_timeout: options.response_timeout,
             connect_timeout: options.connect_timeout,
             sync_replicas: options.sync_replicas,
+            sync_aof: options.sync_aof,
             by_runtime: RwLock::new(IdMap::default()),
             watched: Mutex::new(HashSet::new()),
             replicated: Mutex::new(HashMap::new()),
