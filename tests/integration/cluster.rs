@@ -242,27 +242,27 @@ async fn a_slot_migration_during_a_contended_run() {
 }
 
 /// The hash slot of `key`, asked of `node`.
-fn keyslot(node: &RedisServer, key: &str) -> u16 {
+pub(crate) fn keyslot(node: &RedisServer, key: &str) -> u16 {
     let reply = node.command(&["CLUSTER", "KEYSLOT", key]).unwrap();
     reply.trim_start_matches(':').parse().unwrap()
 }
 
 /// One line of `CLUSTER NODES`.
-struct ClusterNode {
-    id: String,
-    port: u16,
-    master: bool,
-    master_id: String,
-    slots: Vec<(u16, u16)>,
+pub(crate) struct ClusterNode {
+    pub(crate) id: String,
+    pub(crate) port: u16,
+    pub(crate) master: bool,
+    pub(crate) master_id: String,
+    pub(crate) slots: Vec<(u16, u16)>,
 }
 
 /// The cluster as one node sees it.
-struct ClusterView {
-    nodes: Vec<ClusterNode>,
+pub(crate) struct ClusterView {
+    pub(crate) nodes: Vec<ClusterNode>,
 }
 
 impl ClusterView {
-    fn of(node: &RedisServer) -> Self {
+    pub(crate) fn of(node: &RedisServer) -> Self {
         let reply = node.command(&["CLUSTER", "NODES"]).unwrap();
         let nodes = reply
             .lines()
@@ -288,7 +288,7 @@ impl ClusterView {
         Self { nodes }
     }
 
-    fn owner(&self, slot: u16) -> &ClusterNode {
+    pub(crate) fn owner(&self, slot: u16) -> &ClusterNode {
         self.nodes
             .iter()
             .find(|n| n.master && n.slots.iter().any(|&(a, b)| (a..=b).contains(&slot)))

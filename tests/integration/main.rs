@@ -49,6 +49,7 @@ mod replication;
 mod seams;
 mod secrets;
 mod sentinel;
+mod shards;
 mod shared;
 mod spans;
 mod tls;

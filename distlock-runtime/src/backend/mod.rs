@@ -242,9 +242,13 @@ impl Backend {
             masters => masters.extend(hold, lease).await)
     }
 
-    /// Renews a batch; with RedLock, a lease counts as renewed on a majority.
-    pub(crate) async fn renew(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<bool>> {
-        each!(self, node => node.renew(items).await, masters => masters.renew(items).await)
+    /// Renews a batch; with RedLock, a lease counts as renewed on a majority. On Cluster,
+    /// `None` for the items of a slot whose master did not answer while other slots did: a
+    /// lease on a healthy master is decided by its own master alone.
+    pub(crate) async fn renew(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<Option<bool>>> {
+        each!(self,
+            node => node.renew(items).await,
+            masters => Ok(masters.renew(items).await?.into_iter().map(Some).collect()))
     }
 
     /// Whether the token holds the lock (on a majority).

@@ -122,6 +122,13 @@ impl Node {
         for script in scripts::all() {
             bounded(limit, script.prepare_invoke().load_async(&mut conn)).await?;
         }
+        if self.pool.sync_replicas.is_some() && self.pool.sync_aof {
+            let info = redis::cmd("COMMAND").arg("INFO").arg("WAITAOF").to_owned();
+            let answer: Vec<redis::Value> = self.bounded(info.query_async(&mut conn)).await?;
+            if answer.iter().all(|v| matches!(v, redis::Value::Nil)) {
+                return Err(io::Error::other(WAITAOF_MISSING).into());
+            }
+        }
         let delete = self.native_delete(&mut conn).await;
         *self.pool.delete.lock().unwrap_or_else(|e| e.into_inner()) = delete;
         if self.route.one_server() {
@@ -218,7 +225,8 @@ impl Node {
     /// each answer with the master's address.
     async fn each_master(&self, conn: &mut Conn, cmd: &Cmd) -> RedisResult<Vec<(String, Value)>> {
         match conn {
-            Conn::Cluster(cluster) => {
+            Conn::Cluster(lanes) => {
+                let mut cluster = lanes.any();
                 let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
                 let answers = self.bounded(cluster.route_command(cmd.clone(), all)).await;
                 answers.and_then(|a| Ok(redis::from_redis_value(a)?))
@@ -244,7 +252,8 @@ impl Node {
                 })
                 .await?;
             }
-            Conn::Cluster(conn) => {
+            Conn::Cluster(lanes) => {
+                let conn = lanes.any();
                 let (_, masters) = self.ask_masters(&[redis::cmd("PING")]).await?;
                 for (address, _) in masters {
                     let Some((host, port)) = address
@@ -453,22 +462,16 @@ impl Node {
         call: &AcquireCall<'_>,
         (wanted, timeout): (u32, Duration),
     ) -> RedisResult<AcquireAnswer> {
+        if !self.route.one_server() {
+            return self
+                .acquire_replicated_cluster(req, call, (wanted, timeout))
+                .await;
+        }
         let mut conn = self.replicated_conn().await?;
         let answer = self.watch(self.bounded(call.run(&mut conn, &req.token)).await)?;
         if let AcquireAnswer::Held { .. } = answer {
-            let wait = redis::cmd("WAIT")
-                .arg(wanted)
-                .arg(millis(timeout))
-                .to_owned();
-            let acked: i64 = self.watch(
-                bounded(
-                    self.pool.response_timeout + timeout,
-                    wait.query_async(&mut conn),
-                )
-                .await,
-            )?;
+            let acked = self.wait_replicas(&mut conn, wanted, timeout).await?;
             self.pool.put_back(conn);
-            let acked = u32::try_from(acked).unwrap_or(0);
             if acked < wanted {
                 self.release(&req.hold_ids(), Duration::ZERO).await?;
                 return Ok(AcquireAnswer::Unreplicated { acked, wanted });
@@ -477,6 +480,55 @@ impl Node {
             self.pool.put_back(conn);
         }
         Ok(answer)
+    }
+
+    /// [`acquire_replicated`](Self::acquire_replicated) on Cluster: the grant goes out on
+    /// the lane of its slot's master, and the `WAIT` after it on the same connection to the
+    /// same master (a command without a key follows the keyed one before it, see
+    /// `cluster::Lanes`). `WAIT` counts the replicas that have every write of that connection
+    /// so far, the grant among them.
+    async fn acquire_replicated_cluster(
+        &self,
+        req: &AcquireRequest,
+        call: &AcquireCall<'_>,
+        (wanted, timeout): (u32, Duration),
+    ) -> RedisResult<AcquireAnswer> {
+        let mut conn = self.conn().await?;
+        let answer = self.watch(self.bounded(call.run(&mut conn, &req.token)).await)?;
+        if let AcquireAnswer::Held { .. } = answer {
+            let acked = self.wait_replicas(&mut conn, wanted, timeout).await?;
+            if acked < wanted {
+                self.release(&req.hold_ids(), Duration::ZERO).await?;
+                return Ok(AcquireAnswer::Unreplicated { acked, wanted });
+            }
+        }
+        Ok(answer)
+    }
+
+    /// Sends `WAIT wanted timeout` (with `sync_replicas_aof`, `WAITAOF 0 wanted timeout`)
+    /// on `conn` after a grant on it, and returns how many replicas acknowledged.
+    pub(super) async fn wait_replicas<C: redis::aio::ConnectionLike>(
+        &self,
+        conn: &mut C,
+        wanted: u32,
+        timeout: Duration,
+    ) -> RedisResult<u32> {
+        let limit = self.pool.response_timeout + timeout;
+        if self.pool.sync_aof {
+            let wait = redis::cmd("WAITAOF")
+                .arg(0)
+                .arg(wanted)
+                .arg(millis(timeout))
+                .to_owned();
+            let acked: (i64, i64) = self.watch(bounded(limit, wait.query_async(conn)).await)?;
+            return Ok(u32::try_from(acked.1).unwrap_or(0));
+        }
+        let wait = redis::cmd("WAIT")
+            .arg(wanted)
+            .arg(millis(timeout))
+            .to_owned();
+        let acked: i64 = self.watch(bounded(limit, wait.query_async(conn)).await)?;
+        Ok(u32::try_from(acked).unwrap_or(0))
     }
 
     /// An idle connection of the current runtime for a grant and its WAIT, or a new one.
@@ -719,14 +771,15 @@ impl Node {
     }
 
     /// Renews every `(lock, share, token, lease)` still held by its token, in one round trip
-    /// (on Cluster, one per hash slot, all at once).
-    pub(crate) async fn renew(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<bool>> {
+    /// (on Cluster, one per hash slot, all at once). `None` for the items of a slot whose
+    /// call failed while others answered (see [`Route::per_slot_each`]).
+    pub(crate) async fn renew(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<Option<bool>>> {
         let locks = items.iter().map(|item| item.lock);
         let renew = |group: &[usize]| {
             let batch: Vec<Renewal<'_>> = group.iter().map(|&at| items[at]).collect();
             async move { self.renew_together(&batch).await }
         };
-        self.route.per_slot(locks, renew).await
+        self.route.per_slot_each(locks, renew).await
     }
 
     /// Renews leases that all live in one hash slot (any leases, off Cluster) in one call.
@@ -817,6 +870,10 @@ impl Node {
 }
 
 /// How much longer than the response timeout a request bounded by a timer may take.
+/// Why `build()` fails with `sync_replicas_aof` on a server without `WAITAOF`.
+pub(crate) const WAITAOF_MISSING: &str = "`sync_replicas_aof` needs WAITAOF (Redis 7.2 or later, Valkey 8 or later), which this \
+     server does not have";
+
 const ANSWER_SLACK: Duration = Duration::from_millis(50);
 
 /// A command named `name` with room for `args` more arguments of `bytes` in all, so that

@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use redis::aio::MultiplexedConnection;
-use redis::cluster_async::ClusterConnection;
 use redis::{
     AsyncConnectionConfig, Client, Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisResult,
     Value,
@@ -29,6 +28,9 @@ pub(crate) struct ConnectOptions {
     pub(crate) response_timeout: Duration,
     /// After each grant, WAIT for this many replicas, this long.
     pub(crate) sync_replicas: Option<(u32, Duration)>,
+    /// With `sync_replicas`: WAITAOF (the grant fsynced to the replicas' append-only files)
+    /// instead of WAIT.
+    pub(crate) sync_aof: bool,
     /// How long a RedLock master that restarted stays out of quorums.
     pub(crate) restart_delay: Duration,
     /// Credentials and TLS material beyond what the URLs say.
@@ -60,6 +62,8 @@ pub(super) struct Pool {
     pub(super) connect_timeout: Duration,
     /// After each grant, WAIT for this many replicas, this long.
     pub(super) sync_replicas: Option<(u32, Duration)>,
+    /// With `sync_replicas`: WAITAOF instead of WAIT.
+    pub(super) sync_aof: bool,
     /// The connection of each runtime that used the endpoint.
     pub(super) by_runtime: RwLock<IdMap<runtime::Id, Conn>>,
     /// The runtimes whose shutdown is watched (see [`forget_on_shutdown`]): a runtime whose
@@ -121,6 +125,7 @@ impl Pool {
             response_timeout: options.response_timeout,
             connect_timeout: options.connect_timeout,
             sync_replicas: options.sync_replicas,
+            sync_aof: options.sync_aof,
             by_runtime: RwLock::new(IdMap::default()),
             watched: Mutex::new(HashSet::new()),
             replicated: Mutex::new(HashMap::new()),
@@ -277,7 +282,7 @@ pub(super) enum Conn {
     /// To the server, or the master Sentinel named.
     Server(Link),
     /// To the Cluster: each command goes to the master of its key's slot.
-    Cluster(ClusterConnection),
+    Cluster(super::cluster::Lanes),
 }
 
 /// What bounds the wait for an answer on a connection.
@@ -316,7 +321,7 @@ impl redis::aio::ConnectionLike for Conn {
     fn get_db(&self) -> i64 {
         match self {
             Self::Server(link) => link.db(),
-            Self::Cluster(conn) => conn.get_db(),
+            Self::Cluster(_) => 0,
         }
     }
 }
@@ -326,7 +331,7 @@ impl Query for Conn {
     async fn send_command(&mut self, cmd: &Cmd) -> RedisResult<Value> {
         match self {
             Self::Server(link) => link.send(cmd).await,
-            Self::Cluster(conn) => redis::aio::ConnectionLike::req_packed_command(conn, cmd).await,
+            Self::Cluster(lanes) => lanes.send(cmd).await,
         }
     }
 
@@ -338,9 +343,7 @@ impl Query for Conn {
     ) -> RedisResult<Vec<Value>> {
         match self {
             Self::Server(link) => link.send_pipeline(pipeline, offset, count).await,
-            Self::Cluster(conn) => {
-                redis::aio::ConnectionLike::req_packed_commands(conn, pipeline, offset, count).await
-            }
+            Self::Cluster(lanes) => lanes.send_pipeline(pipeline, offset, count).await,
         }
     }
 }

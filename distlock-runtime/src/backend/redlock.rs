@@ -261,7 +261,13 @@ impl RedLock {
         // Bounded by the shortest lease in the batch: a renewal that waited the full response
         // timeout for a frozen master would end after the leases it renews.
         let shortest = items.iter().map(|i| i.lease).min().unwrap_or_default();
-        let answers = self.on_all(node_limit(shortest), |n| n.renew(items)).await;
+        // A master is one server: it answers for every item or fails as a whole.
+        let answers = self
+            .on_all(node_limit(shortest), |n| async move {
+                let each = n.renew(items).await?;
+                Ok(each.into_iter().map(|yes| yes.unwrap_or(false)).collect())
+            })
+            .await;
         self.tally().each(answers, items.len(), true)
     }
 

@@ -10,7 +10,7 @@ use futures_util::future::join_all;
 use redis::cluster::ClusterClient;
 use redis::{RedisError, RedisResult};
 
-use super::cluster::by_slot;
+use super::cluster::{Lanes, by_slot};
 use super::pool::{Conn, Pool, bounded};
 use super::sentinel::Sentinel;
 
@@ -34,7 +34,7 @@ impl Route {
             Self::Cluster(cluster) => {
                 // Boxed: once per runtime, and its state would otherwise weigh on every
                 // operation's future.
-                let connect = Box::pin(cluster.get_async_connection());
+                let connect = Box::pin(Lanes::open(cluster));
                 Ok(Conn::Cluster(
                     bounded(pool.connect_timeout * 3, connect).await?,
                 ))
@@ -67,7 +67,10 @@ impl Route {
     }
 
     /// Runs `call` on the indices of `keys` (one call for them all; on Cluster one per hash
-    /// slot, all slots at once) and puts each answer back at its key's index.
+    /// slot, all slots at once) and puts each answer back at its key's index. Every slot's call
+    /// is made, and each one's work is done on its master, but one slot's failure is the
+    /// answer: a set given back in part reports the error (see
+    /// [`per_slot_each`](Self::per_slot_each) for answers kept per slot).
     pub(super) async fn per_slot<'k, F, Fut>(
         &self,
         keys: impl ExactSizeIterator<Item = &'k str>,
@@ -89,5 +92,46 @@ impl Route {
             }
         }
         Ok(each)
+    }
+
+    /// What [`per_slot`](Self::per_slot) does, with each slot's answer kept apart: `None` at
+    /// the keys of a slot whose call failed (its master cut off or frozen), the answers of
+    /// the other slots as they came. An error only when every call failed (the first one's),
+    /// so that one master's trouble never decides the keys of another.
+    pub(super) async fn per_slot_each<'k, F, Fut>(
+        &self,
+        keys: impl ExactSizeIterator<Item = &'k str>,
+        call: F,
+    ) -> RedisResult<Vec<Option<bool>>>
+    where
+        F: Fn(&[usize]) -> Fut,
+        Fut: Future<Output = RedisResult<Vec<bool>>>,
+    {
+        let count = keys.len();
+        let groups = self
+            .slot_groups(keys)
+            .unwrap_or_else(|| vec![(0..count).collect()]);
+        let answers = join_all(groups.iter().map(|group| call(group))).await;
+        let mut each = vec![None; count];
+        let mut first_error = None;
+        let mut answered = false;
+        for (group, answer) in groups.iter().zip(answers) {
+            match answer {
+                Ok(answer) => {
+                    answered = true;
+                    for (&at, yes) in group.iter().zip(answer) {
+                        each[at] = Some(yes);
+                    }
+                }
+                Err(error) => {
+                    tracing::debug!(%error, keys = group.len(), "one slot's call failed");
+                    first_error.get_or_insert(error);
+                }
+            }
+        }
+        match first_error {
+            Some(error) if !answered => Err(error),
+            _ => Ok(each),
+        }
     }
 }

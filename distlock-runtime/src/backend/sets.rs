@@ -6,9 +6,8 @@ use std::time::Duration;
 
 use redis::RedisResult;
 
-use super::hold::{AcquireAnswer, millis};
+use super::hold::AcquireAnswer;
 use super::node::Node;
-use super::pool::bounded;
 use super::redlock::{RedLock, if_eligible, node_limit, sooner};
 use crate::scripts;
 
@@ -102,19 +101,28 @@ impl Node {
             let answer: Vec<i64> = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
             return set_answer(&answer);
         };
+        if !self.route.one_server() {
+            // On Cluster, the WAIT follows the grant on its slot's lane (see
+            // `Node::acquire_replicated_cluster`): each slot group waits on its own master.
+            let mut conn = self.conn().await?;
+            let answer: Vec<i64> = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
+            let attempt = set_answer(&answer)?;
+            if matches!(attempt, AcquireAnswer::Held(_)) {
+                let acked = self.wait_replicas(&mut conn, wanted, timeout).await?;
+                if acked < wanted {
+                    self.release_set(req).await?;
+                    return Ok(AcquireAnswer::Unreplicated { acked, wanted });
+                }
+            }
+            return Ok(attempt);
+        }
         // As for one lock: the grant and its WAIT on a connection of their own.
         let mut conn = self.replicated_conn().await?;
         let answer: Vec<i64> = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
         let attempt = set_answer(&answer)?;
         if matches!(attempt, AcquireAnswer::Held(_)) {
-            let wait = redis::cmd("WAIT")
-                .arg(wanted)
-                .arg(millis(timeout))
-                .to_owned();
-            let limit = self.pool.response_timeout + timeout;
-            let acked: i64 = self.watch(bounded(limit, wait.query_async(&mut conn)).await)?;
+            let acked = self.wait_replicas(&mut conn, wanted, timeout).await?;
             self.pool.put_back(conn);
-            let acked = u32::try_from(acked).unwrap_or(0);
             if acked < wanted {
                 self.release_set(req).await?;
                 return Ok(AcquireAnswer::Unreplicated { acked, wanted });

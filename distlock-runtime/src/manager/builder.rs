@@ -30,6 +30,7 @@ pub struct LockManagerBuilder {
     connect_timeout: Duration,
     response_timeout: Duration,
     sync_replicas: Option<(u32, Duration)>,
+    sync_aof: bool,
     restart_delay: Option<Duration>,
     security: Security,
     require_noeviction: bool,
@@ -52,6 +53,7 @@ impl Default for LockManagerBuilder {
             connect_timeout: Duration::from_secs(1),
             response_timeout: Duration::from_secs(1),
             sync_replicas: None,
+            sync_aof: false,
             restart_delay: None,
             security: Security::default(),
             require_noeviction: false,
@@ -69,6 +71,7 @@ impl fmt::Debug for LockManagerBuilder {
             .field("key_prefix", &self.prefix)
             .field("defaults", &self.defaults)
             .field("sync_replicas", &self.sync_replicas)
+            .field("sync_aof", &self.sync_aof)
             .field("redlock_restart_delay", &self.restart_delay)
             .field("connect_timeout", &self.connect_timeout)
             .field("response_timeout", &self.response_timeout)
@@ -94,7 +97,8 @@ impl LockManagerBuilder {
     ///
     /// Waiters are woken through classic pub/sub on the first seed (a PUBLISH reaches every
     /// node of a cluster); if that node is down, their fallback timers take over.
-    /// `sync_replicas` is not available on Cluster.
+    /// With `sync_replicas`, each grant's `WAIT` goes to the master that granted it (for a
+    /// set, to each slot group's master).
     pub fn cluster<I, S>(mut self, seeds: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -199,6 +203,16 @@ impl LockManagerBuilder {
     /// not be one that acknowledged).
     pub fn sync_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.sync_replicas = Some((replicas, timeout));
+        self
+    }
+
+    /// With [`sync_replicas`](Self::sync_replicas): wait with `WAITAOF 0 replicas timeout`
+    /// instead of `WAIT`, so that a replica counts once the grant is fsynced to its
+    /// append-only file (replicas need `appendonly yes`). `WAITAOF` needs Redis 7.2 or
+    /// Valkey 8; `build()` asks the server and fails with [`LockError::Config`] where it is
+    /// missing (Redis 7.0, some managed services).
+    pub fn sync_replicas_aof(mut self, aof: bool) -> Self {
+        self.sync_aof = aof;
         self
     }
 
@@ -319,11 +333,6 @@ impl LockManagerBuilder {
         ));
         let options = self.connect_options(&manager_id, &client_name, &driver);
         let timeouts = (options.connect_timeout, options.response_timeout);
-        if matches!(self.topology, Topology::Cluster(_)) && self.sync_replicas.is_some() {
-            return Err(LockError::Config(
-                "`sync_replicas` is not available with `cluster`".into(),
-            ));
-        }
         let backend = self.connect(options, &target, &registry, &driver).await?;
         tracing::debug!(target = %target, prefix = %self.prefix, "lock manager connected");
         let manager = LockManager {
@@ -377,6 +386,7 @@ impl LockManagerBuilder {
             sync_replicas: self
                 .sync_replicas
                 .map(|(replicas, timeout)| (replicas, timeout.min(MAX_TTL))),
+            sync_aof: self.sync_aof,
             restart_delay: self.restart_delay.unwrap_or(self.defaults.ttl).min(MAX_TTL),
             security: Arc::new(Security {
                 socket: Some(crate::security::socket_timeouts(
