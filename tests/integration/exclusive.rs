@@ -484,5 +484,5 @@ async fn acquire_and_release_futures_stay_small() {
     release.await.unwrap();
     println!("acquire() {acquire_size} bytes, release() {release_size} bytes");
     assert!(acquire_size <= 3280, "acquire() is {acquire_size} bytes");
-    assert!(release_size <= 2720, "release() is {release_size} bytes");
+    assert!(release_size <= 1024, "release() is {release_size} bytes");
 }

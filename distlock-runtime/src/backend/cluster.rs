@@ -48,13 +48,20 @@ pub(super) fn client<'s>(
 /// The Cluster connections of one runtime, one lane per master (see the module's text).
 #[derive(Clone)]
 pub(super) struct Lanes {
-    /// One connection per master, in the order the slot map listed them.
-    conns: Arc<[ClusterConnection]>,
-    /// The lane of each hash slot.
-    lane_of: Arc<[u8]>,
+    /// The connections and the slot map they were chosen by, shared by every handle (one
+    /// pointer: a handle travels inside every request's future).
+    map: Arc<LaneMap>,
     /// The slot of the last keyed command sent through this handle: a command without a key
     /// that follows (a `SCRIPT LOAD` after `NOSCRIPT`) goes to that slot's master.
     last_slot: Option<u16>,
+}
+
+/// One connection per master, and which of them serves each hash slot.
+struct LaneMap {
+    /// One connection per master, in the order the slot map listed them.
+    conns: Vec<ClusterConnection>,
+    /// The lane of each hash slot.
+    lane_of: Box<[u8]>,
 }
 
 impl Lanes {
@@ -80,21 +87,24 @@ impl Lanes {
             conns.push(cluster.get_async_connection().await?);
         }
         Ok(Self {
-            conns: conns.into(),
-            lane_of: lane_of.into(),
+            map: Arc::new(LaneMap {
+                conns,
+                lane_of: lane_of.into(),
+            }),
             last_slot: None,
         })
     }
 
     /// The first lane's connection: for commands sent to every master.
     pub(super) fn any(&self) -> ClusterConnection {
-        self.conns[0].clone()
+        self.map.conns[0].clone()
     }
 
     /// The connection of the lane of `slot`.
     fn lane(&self, slot: u16) -> ClusterConnection {
-        let lane = usize::from(self.lane_of[usize::from(slot)]);
-        self.conns.get(lane).unwrap_or(&self.conns[0]).clone()
+        let map = &self.map;
+        let lane = usize::from(map.lane_of[usize::from(slot)]);
+        map.conns.get(lane).unwrap_or(&map.conns[0]).clone()
     }
 
     /// Sends `cmd` on the lane of its key's slot; a command without a key after a keyed

@@ -331,7 +331,8 @@ impl Query for Conn {
     async fn send_command(&mut self, cmd: &Cmd) -> RedisResult<Value> {
         match self {
             Self::Server(link) => link.send(cmd).await,
-            Self::Cluster(lanes) => lanes.send(cmd).await,
+            // Boxed: the lane's routing state stays out of every server's future.
+            Self::Cluster(lanes) => Box::pin(lanes.send(cmd)).await,
         }
     }
 
@@ -343,7 +344,7 @@ impl Query for Conn {
     ) -> RedisResult<Vec<Value>> {
         match self {
             Self::Server(link) => link.send_pipeline(pipeline, offset, count).await,
-            Self::Cluster(lanes) => lanes.send_pipeline(pipeline, offset, count).await,
+            Self::Cluster(lanes) => Box::pin(lanes.send_pipeline(pipeline, offset, count)).await,
         }
     }
 }
