@@ -10,6 +10,7 @@ use crate::driver::Driver;
 use crate::holds::Holds;
 use crate::key;
 use crate::lease::{MAX_TTL, check_ttl};
+use crate::release::Releaser;
 use crate::security::{Credentials, Security, Tls};
 use crate::waiters::{CohortBounds, Waiters};
 use crate::watchdog::Watchdog;
@@ -336,16 +337,26 @@ impl LockManagerBuilder {
         let backend = self.connect(options, &target, &registry, &driver).await?;
         tracing::debug!(target = %target, prefix = %self.prefix, "lock manager connected");
         let manager = LockManager {
-            inner: Arc::new(Inner {
-                backend,
-                driver: Arc::new(driver),
-                watchdog: Watchdog::default(),
-                waiters: Waiters::new(timeouts.0, timeouts.1, manager_id, self.cohort),
-                holds: Holds::default(),
-                prefix: self.prefix,
-                defaults: self.defaults,
-                registry,
-                target,
+            inner: Arc::new({
+                let driver = Arc::new(driver);
+                let waiters = Waiters::new(timeouts.0, timeouts.1, manager_id, self.cohort);
+                let giver = Arc::new(Releaser {
+                    backend: backend.clone(),
+                    driver: driver.clone(),
+                    waiters: waiters.clone(),
+                });
+                Inner {
+                    backend,
+                    driver,
+                    watchdog: Watchdog::default(),
+                    waiters,
+                    holds: Holds::default(),
+                    prefix: self.prefix,
+                    defaults: self.defaults,
+                    registry,
+                    target,
+                    giver,
+                }
             }),
         };
         let inner = &manager.inner;

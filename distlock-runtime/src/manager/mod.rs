@@ -83,6 +83,8 @@ pub(crate) struct Inner {
     /// This manager's identity, and the identities of other holders it has read.
     pub(crate) registry: Arc<crate::identity::Registry>,
     pub(super) target: String,
+    /// What gives this manager's holds back (see [`releaser`](Self::releaser)).
+    pub(super) giver: Arc<Releaser>,
 }
 
 /// What a request uses for each option it does not set.
@@ -263,11 +265,13 @@ impl Inner {
 
     /// What gives this manager's holds back from its own runtime.
     pub(crate) fn releaser(&self) -> Releaser {
-        Releaser {
-            backend: self.backend.clone(),
-            driver: Arc::clone(&self.driver),
-            waiters: self.waiters.clone(),
-        }
+        (*self.giver).clone()
+    }
+
+    /// The same, shared: what a grant handed to a waiter of this manager gives itself back
+    /// through if nobody claims it (no allocation per hand-off).
+    pub(crate) fn giver(&self) -> Arc<Releaser> {
+        Arc::clone(&self.giver)
     }
 }
 

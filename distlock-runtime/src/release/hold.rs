@@ -12,7 +12,7 @@ use crate::LockError;
 use crate::backend::HoldIds;
 use crate::cohort::{Checked, Run};
 use crate::guard::LockGuard;
-use crate::handed::LocalPass;
+use crate::handed::{Handed, LocalPass};
 use crate::waiters::{Next, Offer, Passable};
 
 /// What a release did in this process, before the server.
@@ -153,7 +153,7 @@ impl LockGuard {
             run: run.clone(),
             passes: self.parts.held.passes.saturating_add(1),
         };
-        let handed = inner.releaser().handed(Instant::now(), ids, Some(local));
+        let handed = Handed::new(Instant::now(), inner.giver(), ids, Some(local));
         match offer.handed.send(handed) {
             Ok(()) => {
                 inner.waiters.passed();
@@ -211,7 +211,7 @@ impl LockGuard {
             Ok(true) => {
                 inner.waiters.handed_off();
                 tracing::debug!(key = %self.key(), held_for = ?self.parts.acquired.sent.elapsed(), "handed over");
-                let handed = handed.send(releaser.handed(sent, next, None));
+                let handed = handed.send(Handed::new(sent, inner.giver(), next, None));
                 // The waiter gave up (or was cancelled) meanwhile: nobody takes the lock here,
                 // so this release gives it to everyone, with the wake-up, before it returns.
                 // One that gives up after this point drops the grant, which does the same from
