@@ -59,6 +59,9 @@ pub(crate) struct Held {
     /// every one of them still held, or the set's `remaining()` would promise more than a lock
     /// left behind has.
     pub(crate) set: std::sync::OnceLock<Arc<[Weak<Held>]>>,
+    /// A guarded write was sent under this hold: it is never passed on locally, since a
+    /// write still on its way would run under the next holder's identical token.
+    pub(crate) wrote: std::sync::atomic::AtomicBool,
 }
 
 impl Held {

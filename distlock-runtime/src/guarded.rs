@@ -56,6 +56,78 @@ pub struct Batch {
     refused: Option<String>,
 }
 
+/// Commands whose every argument is a key.
+const ALL_KEYS: &[&str] = &["DEL", "UNLINK", "EXISTS", "TOUCH", "MGET"];
+
+/// Commands that take several keys among other arguments, or keys elsewhere than first: a
+/// batch cannot tell which of their arguments are keys.
+const SEVERAL_KEYS: &[&str] = &[
+    "MSET",
+    "MSETNX",
+    "RENAME",
+    "RENAMENX",
+    "COPY",
+    "SMOVE",
+    "LMOVE",
+    "BLMOVE",
+    "RPOPLPUSH",
+    "BRPOPLPUSH",
+    "SUNIONSTORE",
+    "SINTERSTORE",
+    "SDIFFSTORE",
+    "SUNION",
+    "SINTER",
+    "SDIFF",
+    "SINTERCARD",
+    "ZUNIONSTORE",
+    "ZINTERSTORE",
+    "ZDIFFSTORE",
+    "ZRANGESTORE",
+    "ZUNION",
+    "ZINTER",
+    "ZDIFF",
+    "ZINTERCARD",
+    "BITOP",
+    "PFMERGE",
+    "PFCOUNT",
+    "OBJECT",
+    "MEMORY",
+    "GEOSEARCHSTORE",
+    "GEORADIUS",
+    "GEORADIUSBYMEMBER",
+    "SORT",
+    "SORT_RO",
+    "LCS",
+    "BLPOP",
+    "BRPOP",
+    "BZPOPMIN",
+    "BZPOPMAX",
+    "LMPOP",
+    "BLMPOP",
+    "ZMPOP",
+    "BZMPOP",
+    "XREAD",
+    "XREADGROUP",
+    "XGROUP",
+    "XINFO",
+    "EVAL",
+    "EVALSHA",
+    "EVAL_RO",
+    "EVALSHA_RO",
+    "FCALL",
+    "FCALL_RO",
+    "MIGRATE",
+    "WATCH",
+];
+
+/// The most arguments one command of a batch may have: the script's Lua stack takes about
+/// 8,000 at once.
+const MAX_ARGS: usize = 7_900;
+
+/// How long the receipt a Cluster write records by itself lasts: longer than the client's
+/// own resends of a request whose connection dropped.
+const AUTO_RECEIPT_TTL: Duration = Duration::from_secs(60);
+
 /// One command of a batch, split into what the script receives.
 #[derive(Debug, Clone)]
 struct Command {
@@ -70,10 +142,28 @@ impl Batch {
         Self::default()
     }
 
-    /// Adds `cmd`, whose first argument (if it has one) is its key.
+    /// Adds `cmd`, whose first argument (if it has one) is its key. The commands whose every
+    /// argument is a key (`DEL`, `UNLINK`, `EXISTS`, `TOUCH`, `MGET`) declare them all; a
+    /// command known to take several keys among other arguments, or keys elsewhere than
+    /// first (`MSET`, `RENAME`, `SMOVE`, `BITOP`, `OBJECT`…), is refused: say its keys with
+    /// [`command_with_keys`](Self::command_with_keys), or split it.
     pub fn command(&mut self, cmd: &redis::Cmd) -> &mut Self {
-        let keys = usize::from(cmd.args_iter().len() > 1);
-        self.command_with_keys(cmd, keys)
+        let args = cmd.args_iter().len();
+        let name = match cmd.args_iter().next() {
+            Some(redis::Arg::Simple(name)) => String::from_utf8_lossy(name).to_ascii_uppercase(),
+            _ => String::new(),
+        };
+        if ALL_KEYS.contains(&name.as_str()) {
+            return self.command_with_keys(cmd, args.saturating_sub(1));
+        }
+        if SEVERAL_KEYS.contains(&name.as_str()) {
+            self.refused.get_or_insert(format!(
+                "`{name}` takes several keys, or keys among its other arguments: add it with \
+                 `command_with_keys` (its keys first), or split it into commands of one key"
+            ));
+            return self;
+        }
+        self.command_with_keys(cmd, usize::from(args > 1))
     }
 
     /// Adds `cmd`, whose first `keys` arguments after the command's name are keys.
@@ -171,6 +261,13 @@ fn split(cmd: &redis::Cmd, keys: usize) -> Result<Command, String> {
             _ => return Err("a guarded write takes only plain arguments, no cursor".to_owned()),
         }
     }
+    if parts.len() > MAX_ARGS {
+        return Err(format!(
+            "a command of a guarded write has {} arguments, more than the {MAX_ARGS} one \
+             command may have: split it",
+            parts.len()
+        ));
+    }
     let mut parts = parts.into_iter();
     let name = parts
         .next()
@@ -240,8 +337,35 @@ fn check(manager: &LockManager, holds: &[Guarding], batch: &Batch) -> Result<(),
             format!("a receipt id must have 1 to {MAX_RECEIPT_LEN} bytes"),
         ));
     }
+    check_own_keys(holds, batch)?;
     if capabilities.one_slot {
         check_slots(holds, batch)?;
+    }
+    Ok(())
+}
+
+/// Refuses a batch that touches a lock's own keys (the lock, its receipts, its fencing
+/// counter, its queues): only its data keys (`key_in_slot`) are the caller's.
+fn check_own_keys(holds: &[Guarding], batch: &Batch) -> Result<(), LockError> {
+    for (name, held) in holds {
+        let lock = held.ids.lock.as_bytes();
+        let data = data_key(&held.ids.lock, "");
+        let own = |key: &&Vec<u8>| {
+            key.as_slice() == lock
+                || (key.starts_with(lock)
+                    && key.get(lock.len()) == Some(&b':')
+                    && !key.starts_with(data.as_bytes()))
+        };
+        if let Some(key) = batch.commands.iter().flat_map(|c| &c.keys).find(own) {
+            return Err(LockError::invalid(
+                "key",
+                format!(
+                    "`{}` is one of lock `{name}`'s own keys: a guarded write may not change \
+                     them (make data keys with `key_in_slot`)",
+                    String::from_utf8_lossy(key)
+                ),
+            ));
+        }
     }
     Ok(())
 }
@@ -274,7 +398,12 @@ fn check_slots(holds: &[Guarding], batch: &Batch) -> Result<(), LockError> {
 }
 
 /// The script call of a guarded write of `batch` under `holds`.
-fn call(holds: &[Guarding], batch: &Batch) -> ScriptInvocation<'static> {
+fn call(
+    holds: &[Guarding],
+    batch: &Batch,
+    receipt_ttl: Duration,
+    nonce: &str,
+) -> ScriptInvocation<'static> {
     let mut call = crate::scripts::GUARDED_WRITE.prepare_invoke();
     call.arg(holds.len());
     for (_, held) in holds {
@@ -284,13 +413,13 @@ fn call(holds: &[Guarding], batch: &Batch) -> ScriptInvocation<'static> {
     match &batch.receipt {
         Some(id) => {
             call.key(receipt_key(&holds[0].1.ids.lock, id))
-                .arg(crate::scripts::millis(RECEIPT_TTL));
+                .arg(crate::scripts::millis(receipt_ttl));
         }
         None => {
             call.arg(0);
         }
     }
-    call.arg(batch.commands.len());
+    call.arg(nonce).arg(batch.commands.len());
     for command in &batch.commands {
         call.arg(command.keys.len())
             .arg(command.args.len())
@@ -316,7 +445,24 @@ async fn write<T: FromRedisValue>(
     }
     check(manager, &holds, &batch)?;
     let first = holds[0].0.clone();
-    let call = call(&holds, &batch);
+    // Each call records its own nonce in its receipt. On Cluster a call always has one: the
+    // Cluster client sends a request again when its connection dropped, and the receipt makes
+    // that resend run nothing.
+    let nonce = crate::lock::new_token(manager.inner.waiters.manager_id());
+    let mut batch = batch;
+    let receipt_ttl = match &batch.receipt {
+        Some(_) => RECEIPT_TTL,
+        None if manager.inner.backend.capabilities().one_slot => {
+            batch.receipt = Some(format!("call:{nonce}"));
+            AUTO_RECEIPT_TTL
+        }
+        None => RECEIPT_TTL,
+    };
+    // Never passed on locally from now on (see `Held::wrote`).
+    for (_, held) in &holds {
+        held.wrote.store(true, std::sync::atomic::Ordering::Release);
+    }
+    let call = call(&holds, &batch, receipt_ttl, &nonce);
     let answer = manager
         .inner
         .exec(move |backend| async move { backend.nodes()[0].invoke::<Value>(&call).await })
@@ -334,6 +480,16 @@ async fn write<T: FromRedisValue>(
             let (name, held) = &holds[at - 1];
             held.lease.mark_lost();
             Err(LockError::Lost { key: name.clone() })
+        }
+        _ if String::from_redis_value(detail.clone()).is_ok_and(|state| state == nonce) => {
+            // This call's own batch ran, and the reply was lost; the resend ran nothing.
+            Err(LockError::redis(
+                &first,
+                redis::RedisError::from((
+                    redis::ErrorKind::Client,
+                    "the batch ran, but its reply was lost (the resend ran nothing)",
+                )),
+            ))
         }
         _ => Err(LockError::invalid(
             "receipt",
@@ -378,7 +534,9 @@ async fn landed(
                 // finds the receipt and runs nothing.
                 return Ok(false);
             }
-            Ok(node.query::<Option<String>>(&get).await?.as_deref() == Some("1"))
+            // A nonce: the batch of that call ran; "0": withdrawn before it could.
+            let state = node.query::<Option<String>>(&get).await?;
+            Ok(state.is_some_and(|state| state != "0"))
         })
         .await?
         .map_err(|e: redis::RedisError| LockError::redis(name, e))

@@ -448,6 +448,7 @@ impl Held {
             passes,
             run: std::sync::OnceLock::new(),
             set: std::sync::OnceLock::new(),
+            wrote: std::sync::atomic::AtomicBool::new(false),
         });
         if !plan.options.unrecorded {
             context::record(&held);

@@ -115,7 +115,9 @@ pub(crate) static FORCE_RELEASE: LazyLock<Script> =
 /// Run a caller's commands only while its locks are held (see `guarded.rs` for the call):
 /// `{1, replies}`, `{0, index}` not held, `{-1, state}` receipt already used.
 pub(crate) static GUARDED_WRITE: LazyLock<Script> = LazyLock::new(|| {
+    // `#!lua`: the server refuses keys of other slots (the caller's keys are declared).
     Script::new(concat!(
+        "#!lua\n",
         include_str!("scripts/held_by.lua"),
         include_str!("scripts/guarded_write.lua")
     ))

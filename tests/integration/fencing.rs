@@ -297,6 +297,50 @@ async fn bad_batches_are_refused_before_anything_is_sent() {
     guard.release().await.unwrap();
 }
 
+#[tokio::test]
+async fn a_batch_may_not_touch_the_locks_own_keys_nor_hide_its_keys() {
+    let server = shared_server();
+    let prefix = unique_prefix("fencing-own");
+    let locks = manager(&server, &prefix).await;
+    let guard = locks.lock("acct").acquire().await.unwrap();
+    let lock = format!("{prefix}{{acct}}");
+    // The lock itself, and its companions (a receipt, the fencing counter): refused.
+    for key in [
+        lock.clone(),
+        format!("{lock}:r:forged"),
+        format!("{lock}:f"),
+    ] {
+        let refused = guard
+            .guarded_write::<()>(redis::cmd("PEXPIRE").arg(&key).arg(999_999))
+            .await;
+        assert!(
+            matches!(&refused, Err(LockError::InvalidInput { reason, .. }) if reason.contains("own keys")),
+            "{key}: {refused:?}"
+        );
+    }
+    // A command whose keys sit among other arguments must say which they are.
+    let (a, b) = (guard.key_in_slot("a"), guard.key_in_slot("b"));
+    let refused = guard
+        .guarded_write::<()>(redis::cmd("MSET").arg(&a).arg(1).arg(&b).arg(2))
+        .await;
+    assert!(
+        matches!(&refused, Err(LockError::InvalidInput { reason, .. }) if reason.contains("command_with_keys")),
+        "{refused:?}"
+    );
+    // One whose every argument is a key declares them all.
+    let set: (String, String) = guard
+        .guarded_write(redis::pipe().set(&a, 1).set(&b, 2))
+        .await
+        .unwrap();
+    assert_eq!(set, ("OK".to_owned(), "OK".to_owned()));
+    let deleted: (i64,) = guard
+        .guarded_write(redis::cmd("DEL").arg(&a).arg(&b))
+        .await
+        .unwrap();
+    assert_eq!(deleted, (2,));
+    guard.release().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarded_writes_on_a_cluster_stay_in_the_locks_slot() {
     let nodes = RedisServer::start_cluster(3).unwrap();

@@ -31,7 +31,7 @@
 //! program), and a transaction that goes on after the check failed (the error is the
 //! caller's to return; dropping the `Transaction` rolls it back).
 
-use tokio_postgres::GenericClient;
+use tokio_postgres::{GenericClient, Transaction};
 
 use crate::LockGuard;
 
@@ -122,9 +122,10 @@ impl Fence {
 
     fn in_table(table: String) -> Self {
         let upsert = format!(
-            "INSERT INTO {table} AS f (resource, fence) VALUES ($1, $2) \
-             ON CONFLICT (resource) DO UPDATE SET fence = EXCLUDED.fence \
-             WHERE f.fence <= EXCLUDED.fence RETURNING f.fence"
+            "INSERT INTO {table} AS f (resource, fence, owner) VALUES ($1, $2, $3) \
+             ON CONFLICT (resource) DO UPDATE SET fence = EXCLUDED.fence, owner = EXCLUDED.owner \
+             WHERE f.fence < EXCLUDED.fence \
+             OR (f.fence = EXCLUDED.fence AND f.owner = EXCLUDED.owner) RETURNING f.fence"
         );
         let highest = format!("SELECT fence FROM {table} WHERE resource = $1");
         Self {
@@ -145,7 +146,8 @@ impl Fence {
         client: &C,
     ) -> Result<(), FenceError> {
         let create = format!(
-            "CREATE TABLE IF NOT EXISTS {} (resource text PRIMARY KEY, fence bigint NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS {} (resource text PRIMARY KEY, fence bigint NOT NULL, \
+             owner text NOT NULL DEFAULT '')",
             self.table
         );
         client.batch_execute(&create).await?;
@@ -154,27 +156,45 @@ impl Fence {
 
     /// Records `token` for `resource` inside the caller's transaction `tx`, unless a higher
     /// token was accepted: then [`FenceError::Stale`]. A token equal to the highest passes
-    /// (the same holder writing again). Call it first in the transaction: the resource's row
-    /// stays locked until the transaction ends, so holders' transactions take turns.
-    pub async fn check<C: GenericClient + Sync>(
+    /// (the same holder writing again; [`check_guard`](Self::check_guard) also ties it to the
+    /// holder's owner token, so two owners that drew one token after a failover do not both
+    /// pass). Call it first in the transaction: the resource's row stays locked until the
+    /// transaction ends, so holders' transactions take turns.
+    ///
+    /// Under `READ COMMITTED` (PostgreSQL's default) a newer holder's check waits for an
+    /// older holder's open transaction and then passes; under `REPEATABLE READ` or
+    /// `SERIALIZABLE` it fails with a serialization error (SQLSTATE 40001) instead, to be
+    /// retried. Either way a stale token never commits after a newer one. A paused older
+    /// holder keeps the row locked while it is paused: set `lock_timeout` to bound the wait.
+    pub async fn check(
         &self,
-        tx: &C,
+        tx: &Transaction<'_>,
         resource: &str,
         token: u64,
+    ) -> Result<(), FenceError> {
+        self.check_as(tx, resource, token, "").await
+    }
+
+    async fn check_as(
+        &self,
+        tx: &Transaction<'_>,
+        resource: &str,
+        token: u64,
+        owner: &str,
     ) -> Result<(), FenceError> {
         let fence = i64::try_from(token).map_err(|_| FenceError::InvalidInput {
             what: "fencing token",
             reason: format!("{token} does not fit a PostgreSQL bigint"),
         })?;
         if tx
-            .query_opt(&self.upsert, &[&resource, &fence])
+            .query_opt(&self.upsert, &[&resource, &fence, &owner])
             .await?
             .is_some()
         {
             return Ok(());
         }
         // Refused: the row exists (and is locked by this statement's check) with a higher
-        // token.
+        // token, or the same token of another owner.
         let highest: i64 = tx.query_one(&self.highest, &[&resource]).await?.get(0);
         Err(FenceError::Stale {
             resource: resource.to_owned(),
@@ -183,15 +203,25 @@ impl Fence {
         })
     }
 
-    /// [`check`](Self::check) with the guard's fencing token, the lock's key as the resource.
-    pub async fn check_guard<C: GenericClient + Sync>(
+    /// [`check`](Self::check) with the guard's fencing token and owner token. The row is the
+    /// lock's full key (with the manager's prefix: two applications with other prefixes
+    /// draw their tokens from other counters); a refusal names the key as the guard does.
+    pub async fn check_guard(
         &self,
-        tx: &C,
+        tx: &Transaction<'_>,
         guard: &LockGuard,
     ) -> Result<(), FenceError> {
         let token = guard.fencing_token().ok_or_else(|| FenceError::NoToken {
             key: guard.key().to_owned(),
         })?;
-        self.check(tx, guard.key(), token).await
+        let ids = &guard.held().ids;
+        match self.check_as(tx, &ids.lock, token, &ids.token).await {
+            Err(FenceError::Stale { token, highest, .. }) => Err(FenceError::Stale {
+                resource: guard.key().to_owned(),
+                token,
+                highest,
+            }),
+            other => other,
+        }
     }
 }

@@ -103,11 +103,15 @@ impl LockGuard {
         }
         // A run whose check found the hold gone (or could not tell) passes it no more.
         let run = held.run.get();
-        let passable = (held.cohort && run.is_none_or(|run| run.passable())).then(|| Passable {
-            remaining: self.parts.lease.remaining(),
-            passes: held.passes,
-            run_began: run.map(|run| run.began()),
-        });
+        // A hold that sent a guarded write is not passed on: a write of it still on its way
+        // would run under the next holder's identical token. It is handed off instead.
+        let wrote = held.wrote.load(std::sync::atomic::Ordering::Acquire);
+        let passable =
+            (held.cohort && !wrote && run.is_none_or(|run| run.passable())).then(|| Passable {
+                remaining: self.parts.lease.remaining(),
+                passes: held.passes,
+                run_began: run.map(|run| run.began()),
+            });
         let lease = self.parts.lease.ttl();
         Ok(match inner.waiters.next(&held.ids.wake, lease, passable) {
             Next::Release => Locally::NotHere,

@@ -8,13 +8,14 @@
 -- ARGV[1]      h, the number of locks
 -- ARGV[1+i]    the owner token that must hold KEYS[i]
 -- ARGV[h+2]    the receipt's lifetime in milliseconds, "0" without a receipt
--- ARGV[h+3]    n, the number of commands
+-- ARGV[h+3]    this call's nonce, which the receipt records
+-- ARGV[h+4]    n, the number of commands
 -- then, per command: its number of keys k, its number of other arguments a, its name, and
 --   its a arguments; the command runs as `name KEYS(k) args(a)`.
 --
 -- Returns {1, {reply…}} when every lock was held and the commands ran; {0, i} when the lock
 -- KEYS[i] was not held by its token (nothing ran); {-1, state} when the receipt was already
--- there ("1": a batch with this receipt ran; "0": it was withdrawn), and nothing ran.
+-- there (a nonce: the batch of that call ran; "0": it was withdrawn), and nothing ran.
 -- A command that fails raises its error: the ones before it stay done, as with MULTI/EXEC.
 
 local h = tonumber(ARGV[1])
@@ -33,10 +34,10 @@ if receipt_ms > 0 then
   if state then
     return {-1, state}
   end
-  redis.call('set', receipt, '1', 'px', receipt_ms)
+  redis.call('set', receipt, ARGV[h + 3], 'px', receipt_ms)
 end
 
-local at = h + 3
+local at = h + 4
 local count = tonumber(ARGV[at])
 at = at + 1
 local replies = {}
