@@ -66,6 +66,25 @@ impl Route {
         matches!(self, Self::Cluster(_)).then(|| by_slot(keys))
     }
 
+    /// Makes `call` once per slot group of `keys` (once for them all off Cluster), all at
+    /// once: how many keys there are, the groups, and each group's answer.
+    async fn each_slot<'k, F, Fut>(
+        &self,
+        keys: impl ExactSizeIterator<Item = &'k str>,
+        call: F,
+    ) -> (usize, Vec<Vec<usize>>, Vec<RedisResult<Vec<bool>>>)
+    where
+        F: Fn(&[usize]) -> Fut,
+        Fut: Future<Output = RedisResult<Vec<bool>>>,
+    {
+        let count = keys.len();
+        let groups = self
+            .slot_groups(keys)
+            .unwrap_or_else(|| vec![(0..count).collect()]);
+        let answers = join_all(groups.iter().map(|group| call(group))).await;
+        (count, groups, answers)
+    }
+
     /// Runs `call` on the indices of `keys` (one call for them all; on Cluster one per hash
     /// slot, all slots at once) and puts each answer back at its key's index. Every slot's call
     /// is made, and each one's work is done on its master, but one slot's failure is the
@@ -80,11 +99,7 @@ impl Route {
         F: Fn(&[usize]) -> Fut,
         Fut: Future<Output = RedisResult<Vec<bool>>>,
     {
-        let count = keys.len();
-        let groups = self
-            .slot_groups(keys)
-            .unwrap_or_else(|| vec![(0..count).collect()]);
-        let answers = join_all(groups.iter().map(|group| call(group))).await;
+        let (count, groups, answers) = self.each_slot(keys, call).await;
         let mut each = vec![false; count];
         for (group, answer) in groups.iter().zip(answers) {
             for (&at, yes) in group.iter().zip(answer?) {
@@ -107,11 +122,7 @@ impl Route {
         F: Fn(&[usize]) -> Fut,
         Fut: Future<Output = RedisResult<Vec<bool>>>,
     {
-        let count = keys.len();
-        let groups = self
-            .slot_groups(keys)
-            .unwrap_or_else(|| vec![(0..count).collect()]);
-        let answers = join_all(groups.iter().map(|group| call(group))).await;
+        let (count, groups, answers) = self.each_slot(keys, call).await;
         let mut each = vec![None; count];
         let mut first_error = None;
         let mut answered = false;
