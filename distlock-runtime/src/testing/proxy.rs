@@ -3,15 +3,16 @@
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
 
 /// What a [`FaultProxy`] does to the bytes it carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
     /// Forward everything at once.
     Pass,
-    /// Forward everything after this delay (each chunk, each direction).
+    /// Deliver each chunk read from now on this long after it was read (each direction, in
+    /// order: what is read later, whatever the fault then, is delivered after it).
     Latency(Duration),
     /// Let nothing through, in either direction: a network partition. Like TCP after a
     /// partition heals, what was sent meanwhile is delivered once traffic passes again (or the
@@ -113,15 +114,22 @@ impl Drop for FaultProxy {
 }
 
 /// Copies `from` to `to` under the proxy's current fault, until either side closes or the
-/// proxy resets.
-fn pipe(mut from: TcpStream, mut to: TcpStream, shared: &ProxyShared, generation: u64) {
+/// proxy resets: this thread reads, and a second one delivers each chunk when it is due.
+fn pipe(mut from: TcpStream, to: TcpStream, shared: &Arc<ProxyShared>, generation: u64) {
     let _ = from.set_read_timeout(Some(Duration::from_millis(20)));
+    let (chunks, due) = mpsc::channel::<Option<(Instant, Vec<u8>)>>();
+    let deliver = {
+        let shared = shared.clone();
+        let from = from.try_clone();
+        std::thread::Builder::new()
+            .name("fault-proxy-deliver".into())
+            .spawn(move || deliver(due, to, from.ok(), &shared, generation))
+    };
     let mut buf = [0u8; 16 * 1024];
     loop {
         if shared.generation.load(Ordering::Acquire) != generation {
             let _ = from.shutdown(std::net::Shutdown::Both);
-            let _ = to.shutdown(std::net::Shutdown::Both);
-            return;
+            break;
         }
         if *shared.fault.lock().unwrap_or_else(|e| e.into_inner()) == Fault::Blackhole {
             // Leave the bytes in the socket buffers until the partition heals.
@@ -129,10 +137,7 @@ fn pipe(mut from: TcpStream, mut to: TcpStream, shared: &ProxyShared, generation
             continue;
         }
         let n = match from.read(&mut buf) {
-            Ok(0) => {
-                let _ = to.shutdown(std::net::Shutdown::Write);
-                return;
-            }
+            Ok(0) => break,
             Ok(n) => n,
             Err(e)
                 if matches!(
@@ -142,7 +147,7 @@ fn pipe(mut from: TcpStream, mut to: TcpStream, shared: &ProxyShared, generation
             {
                 continue;
             }
-            Err(_) => return,
+            Err(_) => break,
         };
         // Read just before a partition began: hold the bytes until it heals.
         let fault = loop {
@@ -153,11 +158,56 @@ fn pipe(mut from: TcpStream, mut to: TcpStream, shared: &ProxyShared, generation
             }
             std::thread::sleep(Duration::from_millis(5));
         };
+        let mut at = Instant::now();
         if let Fault::Latency(delay) = fault {
             shared.delayed.fetch_add(1, Ordering::AcqRel);
-            std::thread::sleep(delay);
+            at += delay;
         }
-        if to.write_all(&buf[..n]).is_err() {
+        if chunks.send(Some((at, buf[..n].to_vec()))).is_err() {
+            break;
+        }
+    }
+    // End of stream: once everything read has been delivered, so is the end.
+    let _ = chunks.send(None);
+    drop(chunks);
+    if let Ok(deliver) = deliver {
+        let _ = deliver.join();
+    }
+}
+
+/// Writes each chunk to `to` when it is due, in order; at the end of the stream (`None`),
+/// shuts `to`'s write side. A reset closes both sides, delivering nothing more.
+fn deliver(
+    due: mpsc::Receiver<Option<(Instant, Vec<u8>)>>,
+    mut to: TcpStream,
+    from: Option<TcpStream>,
+    shared: &ProxyShared,
+    generation: u64,
+) {
+    let reset = |to: &TcpStream| {
+        let _ = to.shutdown(std::net::Shutdown::Both);
+        if let Some(from) = &from {
+            let _ = from.shutdown(std::net::Shutdown::Both);
+        }
+    };
+    while let Ok(chunk) = due.recv() {
+        let Some((at, bytes)) = chunk else {
+            if shared.generation.load(Ordering::Acquire) != generation {
+                return reset(&to);
+            }
+            let _ = to.shutdown(std::net::Shutdown::Write);
+            return;
+        };
+        while let Some(left) = at.checked_duration_since(Instant::now()) {
+            if shared.generation.load(Ordering::Acquire) != generation {
+                return reset(&to);
+            }
+            std::thread::sleep(left.min(Duration::from_millis(20)));
+        }
+        if shared.generation.load(Ordering::Acquire) != generation {
+            return reset(&to);
+        }
+        if to.write_all(&bytes).is_err() {
             return;
         }
     }

@@ -41,6 +41,18 @@ pub(super) struct State {
     pub(super) last_entry: HashMap<String, Instant>,
     /// Injected faults: from, until (`None` while it lasts).
     pub(super) fault_windows: Vec<(Instant, Option<Instant>)>,
+    /// The fault windows (by index) that cannot stop a release from arriving (attempts held
+    /// back past their retry, the network passing everything after): they allow no key to
+    /// stay owned by a token whose release was answered.
+    pub(super) passing_faults: Vec<usize>,
+    /// Owner tokens whose every release so far was answered `Ok` (`true`), or not (`false`:
+    /// one was dropped, cancelled or failed, and its lease may run out on its own).
+    pub(super) released: HashMap<String, bool>,
+    /// Tokens seen owning a key after their every release was answered (a local pass on its
+    /// way, an attempt that landed late), whether or not for too long.
+    pub(super) owned_after_release: std::collections::HashSet<String>,
+    /// The longest stretch one of them was seen owning its key.
+    pub(super) longest_owned_after_release: Duration,
     /// Stretches in which the monitor's own timer fired late by more than `STALL`: the
     /// process (its runtime, or the whole machine) did not run, and neither did the waiters.
     pub(super) stalls: Vec<(Instant, Instant)>,
@@ -403,9 +415,16 @@ impl History {
     /// fault window or the recovery after one, or in a stall the monitor measured on itself
     /// (their union, each moment counted once).
     pub(super) fn allowance(&self, from: Instant, to: Instant) -> Duration {
+        self.allowance_of(from, to, true)
+    }
+
+    /// As [`History::allowance`], counting the fault windows that can stop a release only
+    /// unless `every_fault` (see `State::passing_faults`).
+    fn allowance_of(&self, from: Instant, to: Instant, every_fault: bool) -> Duration {
         let state = self.lock();
-        let faults =
-            (state.fault_windows.iter()).map(|(start, end)| (*start, end.unwrap_or(to) + RECOVERY));
+        let faults = (state.fault_windows.iter().enumerate())
+            .filter(|(at, _)| every_fault || !state.passing_faults.contains(at))
+            .map(|(_, (start, end))| (*start, end.unwrap_or(to) + RECOVERY));
         let mut windows: Vec<(Instant, Instant)> = faults
             .chain(state.stalls.iter().copied())
             .filter(|(start, end)| *start < to && *end > from)
@@ -422,6 +441,50 @@ impl History {
             }
         }
         covered
+    }
+
+    /// A release of `owner`'s hold has come back: `answered` when it was answered `Ok`.
+    pub(super) fn released(&self, owner: &str, answered: bool) {
+        let mut state = self.lock();
+        let sure = state.released.entry(owner.to_owned()).or_insert(true);
+        *sure &= answered;
+    }
+
+    /// A plain lock has been owned since `since` by `owner`, a token no holder has: a
+    /// violation once that lasts longer than `ORPHANED` (plus the stalls it overlaps), if
+    /// every release of `owner` was answered `Ok` and no fault that can stop a release (nor
+    /// the recovery after one) overlaps the stretch: then nothing of `owner` may still be on
+    /// its way (an attempt that landed after its retry was granted and released is given back
+    /// once no late delivery can happen). A token never released, or whose release went
+    /// unanswered, or whose release behind a local pass met a fault, may keep the key until
+    /// its lease ends.
+    pub(super) fn orphaned(&self, key: &str, owner: &str, since: Instant, now: Instant) -> bool {
+        let stretch = now.saturating_duration_since(since);
+        {
+            let mut state = self.lock();
+            if state.released.get(owner) != Some(&true) {
+                return false;
+            }
+            let stopping = (state.fault_windows.iter().enumerate())
+                .filter(|(at, _)| !state.passing_faults.contains(at))
+                .any(|(_, (start, end))| *start < now && end.is_none_or(|e| e + RECOVERY > since));
+            if stopping {
+                return false;
+            }
+            state.owned_after_release.insert(owner.to_owned());
+            state.longest_owned_after_release = state.longest_owned_after_release.max(stretch);
+        }
+        let allowed = self.allowance_of(since, now, false);
+        if stretch <= ORPHANED + allowed {
+            return false;
+        }
+        self.violation(format!(
+            "orphan: {key} owned for {stretch:?} by {}, whose every release was answered, \
+             outside any fault that can stop a release ({allowed:?} of it in stalls or in \
+             faults that cannot)",
+            &owner[owner.len().saturating_sub(8)..]
+        ));
+        true
     }
 
     /// `key` has been free in Redis since `free` (the monitor's samples): if a request sleeps
@@ -463,7 +526,9 @@ impl History {
         println!(
             "history [{topology}] seed {seed}: {} acquisitions ({} by local pass, {} sets of {} \
              keys, {} leaders elected, {} min_holds nested in sets), {} lease checks, {} steals, {} liveness samples ({} \
-             stalls of the monitor, {:?} in all), {} faults injected, {} violations{}",
+             stalls of the monitor, {:?} in all), {} faults injected ({} holding attempts back past \
+             their retry; {} tokens seen owning a key after their release was answered, for {:?} \
+             at most), {} violations{}",
             state.acquisitions,
             state.local_passes,
             state.sets,
@@ -480,6 +545,9 @@ impl History {
                 .map(|(from, to)| *to - *from)
                 .sum::<Duration>(),
             state.faults,
+            state.passing_faults.len(),
+            state.owned_after_release.len(),
+            state.longest_owned_after_release,
             state.violations.len(),
             match state.void_before {
                 Some(_) => format!(

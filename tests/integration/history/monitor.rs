@@ -44,17 +44,12 @@ pub(super) async fn monitor(
             } else {
                 free_in_redis.remove(key);
             }
-            // Without faults every release arrives: a plain lock whose owner left the history
-            // (released, dropped, cancelled) is gone within moments, not at its lease's end.
-            let owner = match (&world.probe, faults, pttl) {
-                (Probe::One(conn), false, Some(ms)) if ms > 0 => {
-                    let mut conn = conn.clone();
-                    redis::cmd("GET")
-                        .arg(locks.redis_key(key))
-                        .query_async::<Option<String>>(&mut conn)
-                        .await
-                        .ok()
-                        .flatten()
+            // Every release answered `Ok` has arrived: a plain lock whose owner left the
+            // history (released, dropped, cancelled) is gone within moments, not at its lease's
+            // end. Through faults a release may go unanswered, and then the lease runs out.
+            let owner = match (&world.probe, pttl) {
+                (Probe::One(conn), Some(ms)) if ms > 0 => {
+                    owner_of(&mut conn.clone(), &locks.redis_key(key)).await
                 }
                 _ => None,
             };
@@ -77,17 +72,23 @@ pub(super) async fn monitor(
                             sampled
                         }
                     };
-                    if now.saturating_duration_since(since) > ORPHANED {
-                        let what = format!(
+                    drop(state);
+                    let judged = if faults {
+                        world.history.orphaned(key, &owner, since, now)
+                    } else if now.saturating_duration_since(since) > ORPHANED {
+                        world.history.violation(format!(
                             "orphan: {key} held by {} for {:?}, a token no holder has",
                             &owner[owner.len().saturating_sub(8)..],
                             now.saturating_duration_since(since)
-                        );
+                        ));
+                        true
+                    } else {
+                        false
+                    };
+                    if judged {
                         orphaned.remove(key);
-                        drop(state);
-                        world.history.violation(what);
-                        state = world.history.lock();
                     }
+                    state = world.history.lock();
                 }
                 _ => {
                     orphaned.remove(key);
@@ -132,6 +133,34 @@ pub(super) async fn monitor(
         }
         starved_sets(&world, &mut free_in_redis);
     }
+}
+
+/// The owner of the exclusive or write lock at `lock`, in either form (a plain lock's
+/// string, or a hash whose field is the owner token); `None` for any other kind (whose
+/// shares have leases of their own) or a marker.
+async fn owner_of(conn: &mut redis::aio::MultiplexedConnection, lock: &str) -> Option<String> {
+    let plain = redis::cmd("GET")
+        .arg(lock)
+        .query_async::<Option<String>>(conn)
+        .await;
+    if let Ok(owner) = plain {
+        return owner;
+    }
+    let fields: Vec<String> = redis::cmd("HKEYS").arg(lock).query_async(conn).await.ok()?;
+    if fields.iter().any(|f| f == "mode") {
+        let mode: Option<String> = redis::cmd("HGET")
+            .arg(lock)
+            .arg("mode")
+            .query_async(conn)
+            .await
+            .ok()?;
+        if mode.as_deref() != Some("write") {
+            return None;
+        }
+    }
+    fields
+        .into_iter()
+        .find(|f| !matches!(f.as_str(), "mode" | "fence" | "permits") && !f.contains(':'))
 }
 
 /// A set sleeping in `acquire()` can only enter once every one of its keys is free: all of them

@@ -277,22 +277,33 @@ pub(super) async fn leave(
     faults: bool,
 ) {
     drop(entry);
-    match rng.u8(..10) {
-        0..=5 => {
-            if let Some(Err(error)) = world.bounded("release", guard.release()).await
-                && !expected(&error, faults)
-            {
-                world
-                    .history
-                    .violation(format!("error: release: unexpected {error:?}"));
+    let owner = guard.token().to_owned();
+    let answered = match rng.u8(..10) {
+        0..=5 => match world.bounded("release", guard.release()).await {
+            Some(Ok(())) => true,
+            Some(Err(error)) => {
+                if !expected(&error, faults) {
+                    world
+                        .history
+                        .violation(format!("error: release: unexpected {error:?}"));
+                }
+                false
             }
+            None => false,
+        },
+        6 | 7 => {
+            drop(guard);
+            false
         }
-        6 | 7 => drop(guard),
         _ => {
             let cancel_after = Duration::from_micros(rng.u64(0..2_000));
-            let _ = tokio::time::timeout(cancel_after, guard.release()).await;
+            matches!(
+                tokio::time::timeout(cancel_after, guard.release()).await,
+                Ok(Ok(()))
+            )
         }
-    }
+    };
+    world.history.released(&owner, answered);
 }
 
 /// The critical section's work: a short random pause, refreshing the bound on the way.

@@ -221,7 +221,10 @@ pub(super) fn faults_in_background(
             };
             inject(&mut rng);
             let mut state = history.lock();
-            state.fault_windows[index].1 = Some(Instant::now());
+            // (A fault may have closed its own window before staying quiet for a while.)
+            state.fault_windows[index]
+                .1
+                .get_or_insert_with(Instant::now);
             let event = format!("{:?} fault {} ends", Instant::now(), index + 1);
             push_recent(&mut state, event);
         }
@@ -253,18 +256,19 @@ pub(super) async fn single_with_faults(seed: u64, target: u64, run: &Run) {
         probe: Probe::One(raw(&server.url()).await),
     };
     let stop = Arc::new(AtomicBool::new(false));
-    let (s, p) = (server.clone(), proxy.clone());
+    let (s, p, history) = (server.clone(), proxy.clone(), world.history.clone());
     let injector =
         faults_in_background(
             world.history.clone(),
             seed,
             stop.clone(),
-            move |rng| match rng.u8(..3) {
+            move |rng| match rng.u8(..4) {
                 0 => {
                     p.set(Fault::Latency(Duration::from_millis(rng.u64(1..30))));
                     std::thread::sleep(Duration::from_millis(300));
                     p.reset();
                 }
+                3 => late_attempts(&p, &history, rng),
                 1 => {
                     p.set(Fault::Blackhole);
                     std::thread::sleep(Duration::from_millis(rng.u64(50..700)));
@@ -282,6 +286,33 @@ pub(super) async fn single_with_faults(seed: u64, target: u64, run: &Run) {
     injector.join().unwrap();
     check_nothing_left(&world, &managers, &[&server], &prefix).await;
     world.history.report(seed, "one server, faults");
+}
+
+/// Holds back what the proxied manager sends in a short window far past its response
+/// timeout, and lets everything through after: its attempts in that window time out, their
+/// retries are granted on another connection (and released), and then the attempts land. The
+/// network stops no release, so no key may stay owned by a token whose release was answered
+/// (see `History::orphaned`); quiet before and after, so that no other fault excuses one.
+fn late_attempts(proxy: &FaultProxy, history: &History, rng: &mut fastrand::Rng) {
+    // Past the recovery of the fault before (its window covers this wait too: a connection
+    // that fault reset is found dead only when next used).
+    std::thread::sleep(RECOVERY);
+    let delay = Duration::from_millis(rng.u64(1_300..2_000));
+    let window = {
+        let mut state = history.lock();
+        let window = state.fault_windows.len() - 1;
+        state.passing_faults.push(window);
+        let event = format!("{:?} attempts held back {delay:?} from now", Instant::now());
+        push_recent(&mut state, event);
+        window
+    };
+    proxy.set(Fault::Latency(delay));
+    std::thread::sleep(Duration::from_millis(rng.u64(100..300)));
+    proxy.set(Fault::Pass);
+    // What was held back arrives until then: that is the window waiters are allowed.
+    std::thread::sleep(delay);
+    history.lock().fault_windows[window].1 = Some(Instant::now());
+    std::thread::sleep(ORPHANED + RECOVERY * 2);
 }
 
 /// A master with a replica behind three Sentinels; the master is paused for less than the

@@ -268,3 +268,46 @@ fn entering_before_a_nested_min_hold_ends_is_rejected() {
     assert_eq!(found.len(), 1, "{found:?}");
     assert!(found[0].contains("min_hold"), "{found:?}");
 }
+
+#[test]
+fn a_key_owned_past_an_answered_release_is_an_orphan() {
+    let history = Arc::new(History::default());
+    let owner = "000000released";
+    history.released(owner, true);
+    let since = Instant::now();
+    assert!(!history.orphaned("a", owner, since, since + ORPHANED));
+    assert!(history.orphaned("a", owner, since, since + ORPHANED * 2));
+    let found = violations(&history);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].starts_with("orphan:"), "{found:?}");
+}
+
+#[test]
+fn a_release_not_answered_lets_the_lease_run_out() {
+    let history = Arc::new(History::default());
+    let owner = "00000000dropped";
+    // Answered once (a nested hold), then dropped: the key may stay until its lease ends.
+    history.released(owner, true);
+    history.released(owner, false);
+    let since = Instant::now();
+    assert!(!history.orphaned("a", owner, since, since + ORPHANED * 4));
+    // A token never released (a late attempt of a request that gave up) likewise.
+    assert!(!history.orphaned("a", "00000000never", since, since + ORPHANED * 4));
+    assert_eq!(violations(&history), Vec::<String>::new());
+}
+
+#[test]
+fn only_a_fault_that_can_stop_a_release_excuses_an_orphan() {
+    let history = Arc::new(History::default());
+    let owner = "000000answered";
+    history.released(owner, true);
+    let since = Instant::now();
+    let window = (since, Some(since + Duration::from_millis(50)));
+    history.lock().fault_windows.push(window);
+    // A partition may have stopped the release behind a local pass: excused.
+    assert!(!history.orphaned("a", owner, since, since + ORPHANED * 4));
+    // Latency that lets everything through after stops no release: not excused.
+    history.lock().passing_faults.push(0);
+    assert!(history.orphaned("a", owner, since, since + ORPHANED * 4));
+    assert_eq!(violations(&history).len(), 1);
+}
