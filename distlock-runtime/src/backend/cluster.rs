@@ -107,6 +107,15 @@ impl Lanes {
         map.conns.get(lane).unwrap_or(&map.conns[0]).clone()
     }
 
+    /// Sends `cmd` (a command without a key) to the master of `slot`, on that slot's lane.
+    pub(super) async fn send_to_slot(&self, slot: u16, cmd: &Cmd) -> RedisResult<Value> {
+        let at = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+            slot,
+            SlotAddr::Master,
+        )));
+        self.lane(slot).route_command(cmd.clone(), at).await
+    }
+
     /// Sends `cmd` on the lane of its key's slot; a command without a key after a keyed
     /// one goes to the master of that one's slot.
     pub(super) async fn send(&mut self, cmd: &Cmd) -> RedisResult<Value> {
@@ -148,7 +157,7 @@ impl Lanes {
 }
 
 /// The `(first, last, master address)` of each range in a `CLUSTER SLOTS` answer.
-fn slot_ranges(slots: &Value) -> Vec<(u16, u16, String)> {
+pub(super) fn slot_ranges(slots: &Value) -> Vec<(u16, u16, String)> {
     let Value::Array(ranges) = slots else {
         return Vec::new();
     };
