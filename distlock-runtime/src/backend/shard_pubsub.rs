@@ -19,7 +19,8 @@ pub(crate) type SlotRanges = Vec<(u16, u16, String)>;
 impl Node {
     /// The master of each slot range, from `CLUSTER SLOTS`: asked of the master of each of
     /// `ask` in turn (a slot each, on that slot's own connection, so that a master that does
-    /// not answer holds up only its own turn, within the response timeout), then of any node.
+    /// not answer holds up only its own turn, within the response timeout), then of each
+    /// master as the connections were opened, then of any node.
     pub(crate) async fn slot_masters(&self, ask: &[u16]) -> RedisResult<SlotRanges> {
         let Conn::Cluster(mut lanes) = self.conn().await? else {
             return Err(
@@ -28,7 +29,8 @@ impl Node {
         };
         let slots = redis::cmd("CLUSTER").arg("SLOTS").to_owned();
         let mut last = None;
-        for &slot in ask {
+        let firsts = lanes.first_slots();
+        for &slot in ask.iter().chain(firsts.iter()) {
             match self.bounded(lanes.send_to_slot(slot, &slots)).await {
                 Ok(answer) => match slot_ranges(&answer) {
                     ranges if !ranges.is_empty() => return Ok(ranges),

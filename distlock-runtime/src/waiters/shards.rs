@@ -44,6 +44,9 @@ pub(super) struct Shards {
     masters: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Shard>>>>,
     /// The connections open now, by generation.
     open: Mutex<HashMap<u64, Arc<tokio::sync::Mutex<Shard>>>>,
+    /// The `SUNSUBSCRIBE`s sent and not yet confirmed (generation, channel): a confirmation
+    /// of one of those is no master giving the channel away.
+    leaving: Mutex<HashSet<(u64, String)>>,
     next: AtomicU64,
 }
 
@@ -86,6 +89,7 @@ impl Default for Shards {
             reading: tokio::sync::Mutex::new(()),
             masters: Mutex::default(),
             open: Mutex::default(),
+            leaving: Mutex::default(),
             next: AtomicU64::new(FIRST_GENERATION),
         }
     }
@@ -180,7 +184,10 @@ impl Shared {
             if let Ok(_reading) = tokio::time::timeout(patience, self.shards.reading.lock()).await
                 && self.shards.needs_reading()
             {
-                let answer = backend.slot_masters(&self.shards.ask_order()).await;
+                // The key's own master first: when it is down, its subscription waits anyway.
+                let mut ask = vec![slot];
+                ask.extend(self.shards.ask_order());
+                let answer = backend.slot_masters(&ask).await;
                 let mut map = locked(&self.shards.map);
                 map.read_at = Some(Instant::now());
                 match answer {
@@ -359,6 +366,7 @@ impl Shared {
         if locked(&self.shards.open).remove(&generation).is_none() {
             return;
         }
+        locked(&self.shards.leaving).retain(|(of, _)| *of != generation);
         self.shards.stale(None);
         let keys: Vec<_> = self.lock_keys().values().cloned().collect();
         for key in keys {
@@ -378,6 +386,10 @@ impl Shared {
     /// the channel's slot away (a failover, a reshard). The key looks again, and subscribes
     /// where the slot went.
     fn moved_away(self: &Arc<Self>, channel: &str, generation: u64, backend: &Backend) {
+        let leaving = (generation, channel.to_owned());
+        if locked(&self.shards.leaving).remove(&leaving) {
+            return;
+        }
         let Some(key) = self.lock_keys().get(channel).cloned() else {
             return;
         };
