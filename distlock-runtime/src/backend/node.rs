@@ -821,7 +821,8 @@ impl Node {
     /// A new pub/sub connection, opened from the current runtime.
     pub(crate) async fn pubsub(&self) -> RedisResult<redis::aio::PubSub> {
         // On Cluster, classic pub/sub is cluster-wide: a PUBLISH on the node that owns a lock
-        // reaches subscribers on any node, so the first seed serves.
+        // reaches subscribers on any node, so the first seed serves (elections, and waiters
+        // where the servers have no sharded pub/sub; see `shard_pubsub.rs`).
         bounded(
             self.pool.connect_timeout,
             self.pool.client().get_async_pubsub(),

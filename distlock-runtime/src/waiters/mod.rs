@@ -3,7 +3,8 @@
 //! Waiters of one manager for one key form a local FIFO queue, and only its head competes in
 //! Redis. The head is woken by the release itself: the release script publishes on the
 //! lock's wake channel (`prefix{key}:wake`), which the manager follows on one shared pub/sub
-//! connection, subscribed per key while the key has local waiters; a release made by this
+//! connection (on a Cluster with sharded pub/sub, on one per master: see `shards.rs`),
+//! subscribed per key while the key has local waiters; a release made by this
 //! manager also wakes the head directly. A timed look stays as the fallback for expiries
 //! (which publish nothing): while the channel is followed, at the end of the holder's
 //! remaining lease (a lost connection wakes every waiter to look again); while it is not, a
