@@ -13,6 +13,8 @@ use crate::inspect::glob_escape;
 const COMMANDS: &[&str] = &[
     "script|load",
     "evalsha",
+    // a script the server lost (a restart, a flush, a node that joined) is sent with `EVAL`
+    "eval",
     "subscribe",
     "unsubscribe",
     "ssubscribe",

@@ -401,3 +401,74 @@ async fn after_a_failover_the_shards_waiters_are_woken_again() {
         .await
         .unwrap();
 }
+
+/// A Cluster whose every node has the user `locker` with `rules`.
+fn cluster_with_user(rules: &str) -> Vec<RedisServer> {
+    let nodes = RedisServer::start_cluster(3).unwrap();
+    let rules: Vec<&str> = rules.split(' ').collect();
+    for node in &nodes {
+        node.acl_setuser("locker", "locker-secret", &rules).unwrap();
+    }
+    nodes
+}
+
+/// A holder and a waiter as `locker` on `nodes` woken by a release; `(classic, sharded)`
+/// subscribers of the channel on every node while the waiter waited.
+async fn woken_as_locker(nodes: &[RedisServer], prefix: &str) -> (u64, u64) {
+    let locker = || {
+        support::cluster(nodes)
+            .credentials("locker", "locker-secret")
+            .key_prefix(prefix)
+            .build()
+    };
+    let (holder, waiter) = (locker().await.unwrap(), locker().await.unwrap());
+    let name = names_on(&nodes[1], 1).remove(0);
+    let held = holder.lock(name.as_str()).ttl(DAY).acquire().await.unwrap();
+    let waiting = {
+        let (waiter, name) = (waiter.clone(), name.clone());
+        tokio::spawn(async move {
+            waiter
+                .lock(name)
+                .retry_delay(DAY)
+                .retries(20)
+                .acquire()
+                .await
+        })
+    };
+    let channel = format!("{prefix}{{{name}}}:wake");
+    let total = || {
+        nodes.iter().fold((0, 0), |(c, s), node| {
+            let (classic, sharded) = subscribers(node, &channel);
+            (c + classic, s + sharded)
+        })
+    };
+    let started = std::time::Instant::now();
+    while total() == (0, 0) {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "never subscribed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let followed = total();
+    held.release().await.unwrap();
+    woken(waiting, "as locker").await.release().await.unwrap();
+    followed
+}
+
+#[tokio::test]
+async fn the_acl_rules_are_enough_for_sharded_wake_ups() {
+    let prefix = "sa:";
+    let nodes = cluster_with_user(&LockManager::acl_rules(prefix));
+    assert_eq!(woken_as_locker(&nodes, prefix).await, (0, 1));
+}
+
+/// A user who may not ask `COMMAND INFO` cannot tell whether the servers have sharded
+/// pub/sub: classic pub/sub, as on a server without it, and the wake-ups still come.
+#[tokio::test]
+async fn without_command_info_a_cluster_falls_back_to_classic_wake_ups() {
+    let prefix = "sc:";
+    let rules = LockManager::acl_rules(prefix).replace(" +command|info", "");
+    let nodes = cluster_with_user(&rules);
+    assert_eq!(woken_as_locker(&nodes, prefix).await, (1, 0));
+}
