@@ -933,6 +933,57 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn each_variant_publishes_with_its_own_command() {
+        // Sharded pub/sub works on one server too (Redis 7.0, Valkey): a sharded subscriber
+        // hears only the sharded variant, a classic one only the classic.
+        let server = RedisServer::shared().unwrap();
+        let mut conn = connect(&server).await;
+        let (lock, wake) = ("l{variants}", "l{variants}:wake");
+        let client = redis::Client::open(format!("{}?protocol=resp3", server.url())).unwrap();
+        let (pushes, mut heard) = tokio::sync::mpsc::unbounded_channel();
+        let config = redis::AsyncConnectionConfig::new().set_push_sender(pushes);
+        let mut listener = client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+            .unwrap();
+        let _: redis::Value = redis::cmd("SSUBSCRIBE")
+            .arg(wake)
+            .query_async(&mut listener)
+            .await
+            .unwrap();
+        let unlock = |wakes: Wakes| {
+            Unlock {
+                lock,
+                wake,
+                token: "a",
+                keep: Duration::ZERO,
+                message: "tag",
+            }
+            .eval_command(wakes)
+        };
+        for (wakes, told) in [(Wakes::Classic, 0), (Wakes::Sharded, 1)] {
+            let _: () = conn.set(lock, "a").await.unwrap();
+            let released: i64 = unlock(wakes).query_async(&mut conn).await.unwrap();
+            assert_eq!(released, 1 + told, "{wakes:?}: 1 + the subscribers told");
+        }
+        let message = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let push = heard.recv().await.unwrap();
+                if push.kind == redis::PushKind::SMessage {
+                    break push;
+                }
+            }
+        });
+        let message = message.await.expect("the sharded message came");
+        assert_eq!(
+            message.data.get(1),
+            Some(&redis::Value::BulkString(b"tag".to_vec()))
+        );
+        let hash = |wakes| RELEASE.get(wakes).get_hash().to_owned();
+        assert_ne!(hash(Wakes::Classic), hash(Wakes::Sharded));
+    }
+
+    #[tokio::test]
     async fn scripts_reload_after_a_flush() {
         // Its own server: a flush would race the other tests' scripts.
         let server = RedisServer::start().unwrap();
