@@ -7,12 +7,20 @@ use crate::inspect::glob_escape;
 ///
 /// `info` is optional: without it a RedLock master's restart cannot be noticed and the
 /// eviction policy cannot be checked (both are then said once in the log). `wait` is used by
-/// `sync_replicas` only, `cluster|slots` by Cluster only.
+/// `sync_replicas` only, `cluster|slots` by Cluster only; `ssubscribe`, `sunsubscribe`,
+/// `spublish` and `hello` (for the RESP3 connections sharded pub/sub takes) by a Cluster with
+/// sharded pub/sub, `command|info` to find out whether it has it.
 const COMMANDS: &[&str] = &[
     "script|load",
     "evalsha",
+    // a script the server lost (a restart, a flush, a node that joined) is sent with `EVAL`
+    "eval",
     "subscribe",
     "unsubscribe",
+    "ssubscribe",
+    "sunsubscribe",
+    "hello",
+    "command|info",
     "wait",
     "cluster|slots",
     "client|setname",
@@ -33,6 +41,7 @@ const COMMANDS: &[&str] = &[
     "pexpire",
     "pttl",
     "publish",
+    "spublish",
     "set",
     "type",
 ];

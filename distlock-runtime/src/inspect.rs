@@ -174,7 +174,7 @@ impl LockManager {
             wake: &wake,
             only_if_held_by,
         }
-        .call();
+        .call(self.inner.backend.inspected().wakes());
         let backend = &self.inner.backend;
         let nodes = std::iter::once(backend.inspected()).chain(backend.others());
         let replies = futures_util::future::join_all(nodes.map(|node| node.invoke::<Value>(&call)));

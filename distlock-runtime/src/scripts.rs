@@ -7,12 +7,75 @@
 //! One key may be used through several lock kinds; `kind.lua`, shared by the scripts that
 //! take locks and give shares back, tells them apart, so that only readers together and
 //! permits up to N overlap, and no script rewrites or deletes what another kind wrote.
+//!
+//! The scripts that wake waiters come in two variants, told apart by one line put before
+//! their text: `publish` names the command they publish with, classic `PUBLISH`, or on a
+//! Cluster whose servers have it (Redis 7.0, Valkey) `SPUBLISH`, which keeps the wake-up on
+//! the shard that owns the lock's slot instead of sending it to every node (see [`Wakes`]).
 
-use std::sync::LazyLock;
+use std::sync::{LazyLock, OnceLock};
 
 use std::time::Duration;
 
 use redis::{Script, ScriptInvocation};
+
+/// How the scripts publish wake-ups, and the waiters follow them: decided per deployment at
+/// `build()` (see `backend::Node::load_scripts`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Wakes {
+    /// `PUBLISH` and `SUBSCRIBE` (one server, Sentinel, RedLock, and a Cluster without
+    /// sharded pub/sub): on a Cluster, every node hears every wake-up.
+    #[default]
+    Classic,
+    /// `SPUBLISH` and `SSUBSCRIBE` on a Cluster: a wake-up stays on the shard of its lock.
+    Sharded,
+}
+
+impl Wakes {
+    /// The command that publishes a wake-up.
+    pub(crate) fn command(self) -> &'static str {
+        match self {
+            Self::Classic => "PUBLISH",
+            Self::Sharded => "SPUBLISH",
+        }
+    }
+}
+
+/// A script that publishes wake-ups, in both variants (see the module's text).
+pub(crate) struct Published {
+    texts: [&'static str; 2],
+    scripts: [OnceLock<Script>; 2],
+}
+
+impl Published {
+    const fn new(classic: &'static str, sharded: &'static str) -> Self {
+        Self {
+            texts: [classic, sharded],
+            scripts: [OnceLock::new(), OnceLock::new()],
+        }
+    }
+
+    /// The variant that publishes as `wakes` says.
+    pub(crate) fn get(&self, wakes: Wakes) -> &Script {
+        let at = wakes as usize;
+        self.scripts[at].get_or_init(|| Script::new(self.texts[at]))
+    }
+
+    /// The text of that variant (for `EVAL`).
+    fn text(&self, wakes: Wakes) -> &'static str {
+        self.texts[wakes as usize]
+    }
+}
+
+/// The two variants of a script made of the given parts, each after its `publish` line.
+macro_rules! published {
+    ($($part:tt)+) => {
+        Published::new(
+            concat!("local publish = 'publish'\n", $($part)+),
+            concat!("local publish = 'spublish'\n", $($part)+),
+        )
+    };
+}
 
 /// Take (or re-enter) an exclusive lock: `{1, fence}` when held, `{0, pttl}` when busy.
 pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
@@ -23,12 +86,10 @@ pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
 });
 
 /// Give back one hold of an exclusive lock if the token still owns it: 1 released, 0 not held.
-pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
-        include_str!("scripts/release_hold.lua"),
-        include_str!("scripts/release.lua")
-    ))
-});
+pub(crate) static RELEASE: Published = published!(
+    include_str!("scripts/release_hold.lua"),
+    include_str!("scripts/release.lua")
+);
 
 /// Set the lease of a held lock: 1 set, 0 not held.
 pub(crate) static EXTEND: LazyLock<Script> = LazyLock::new(|| {
@@ -48,8 +109,7 @@ pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
 
 /// Give back a plain exclusive lock (string form) if the token still owns it: 1 released,
 /// 0 not held. Used where the server has no native compare-and-delete, or with `min_hold`.
-pub(crate) static UNLOCK: LazyLock<Script> = LazyLock::new(|| Script::new(UNLOCK_LUA));
-const UNLOCK_LUA: &str = include_str!("scripts/unlock.lua");
+pub(crate) static UNLOCK: Published = published!(include_str!("scripts/unlock.lua"));
 
 /// Pass a plain exclusive lock from its owner to the next one: 1 handed over, 0 not held.
 /// Used where the server has no conditional `SET … IFEQ`.
@@ -58,8 +118,7 @@ pub(crate) static HANDOFF: LazyLock<Script> =
 
 /// A fair lock: take it in queue order, release it to the queue's head, or leave the queue
 /// (see the script for the answers).
-pub(crate) static FAIR: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("scripts/fair.lua")));
+pub(crate) static FAIR: Published = published!(include_str!("scripts/fair.lua"));
 
 /// Take the write side of a read-write lock: `{1, fence}` or `{0, pttl}`.
 pub(crate) static WRITE_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
@@ -71,8 +130,8 @@ pub(crate) static WRITE_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
 
 /// Take back a waiting writer's intent if it is still that writer's, and wake the readers
 /// it kept out: 1 taken back, 0 not its intent.
-pub(crate) static WITHDRAW_INTENT: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("scripts/withdraw_intent.lua")));
+pub(crate) static WITHDRAW_INTENT: Published =
+    published!(include_str!("scripts/withdraw_intent.lua"));
 
 /// Take a read share or a semaphore permit: `{1, fence}`, `{0, pttl}`, or `{-1, permits}`
 /// when the semaphore is in use with another number of permits.
@@ -84,12 +143,10 @@ pub(crate) static SHARE_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
 });
 
 /// Give back one hold of a share: 1 released, 0 not held.
-pub(crate) static SHARE_RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
-        include_str!("scripts/kind.lua"),
-        include_str!("scripts/share_release.lua")
-    ))
-});
+pub(crate) static SHARE_RELEASE: Published = published!(
+    include_str!("scripts/kind.lua"),
+    include_str!("scripts/share_release.lua")
+);
 
 /// Take a set of exclusive locks, all or none: `{1, fence…}` or `{0, index, pttl}`.
 pub(crate) static MULTI_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
@@ -100,17 +157,14 @@ pub(crate) static MULTI_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
 });
 
 /// Give back a set of exclusive locks taken together: one 1/0 per lock.
-pub(crate) static MULTI_RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
-        include_str!("scripts/release_hold.lua"),
-        include_str!("scripts/multi_release.lua")
-    ))
-});
+pub(crate) static MULTI_RELEASE: Published = published!(
+    include_str!("scripts/release_hold.lua"),
+    include_str!("scripts/multi_release.lua")
+);
 
 /// Remove a lock whatever holds it, reporting what it removed (the inspector's forced
 /// release; not loaded up front: it loads itself on first use).
-pub(crate) static FORCE_RELEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("scripts/force_release.lua")));
+pub(crate) static FORCE_RELEASE: Published = published!(include_str!("scripts/force_release.lua"));
 
 /// Run a caller's commands only while its locks are held (see `guarded.rs` for the call):
 /// `{1, replies}`, `{0, index}` not held, `{-1, state}` receipt already used.
@@ -123,23 +177,24 @@ pub(crate) static GUARDED_WRITE: LazyLock<Script> = LazyLock::new(|| {
     ))
 });
 
-/// Every script, for loading them all when a manager connects.
-pub(crate) fn all() -> [&'static Script; 14] {
+/// Every script a deployment that publishes as `wakes` says runs, for loading them all when
+/// a manager connects.
+pub(crate) fn all(wakes: Wakes) -> [&'static Script; 14] {
     [
         &GUARDED_WRITE,
-        &UNLOCK,
-        &WITHDRAW_INTENT,
-        &FAIR,
+        UNLOCK.get(wakes),
+        WITHDRAW_INTENT.get(wakes),
+        FAIR.get(wakes),
         &HANDOFF,
         &ACQUIRE,
-        &RELEASE,
+        RELEASE.get(wakes),
         &EXTEND,
         &RENEW,
         &WRITE_ACQUIRE,
         &SHARE_ACQUIRE,
-        &SHARE_RELEASE,
+        SHARE_RELEASE.get(wakes),
         &MULTI_ACQUIRE,
-        &MULTI_RELEASE,
+        MULTI_RELEASE.get(wakes),
     ]
 }
 
@@ -257,8 +312,8 @@ pub(crate) struct Release<'a> {
 }
 
 impl Release<'_> {
-    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
-        let mut call = RELEASE.key(self.lock);
+    pub(crate) fn call(&self, wakes: Wakes) -> ScriptInvocation<'static> {
+        let mut call = RELEASE.get(wakes).key(self.lock);
         call.key(self.wake)
             .key(crate::key::min_hold_timer_key(self.lock))
             .arg(self.token)
@@ -278,8 +333,8 @@ pub(crate) struct ShareRelease<'a> {
 }
 
 impl ShareRelease<'_> {
-    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
-        let mut call = SHARE_RELEASE.key(self.lock);
+    pub(crate) fn call(&self, wakes: Wakes) -> ScriptInvocation<'static> {
+        let mut call = SHARE_RELEASE.get(wakes).key(self.lock);
         call.key(self.share)
             .key(self.wake)
             .arg(self.token)
@@ -302,15 +357,15 @@ impl Unlock<'_> {
     /// every argument once more): the release of every plain lock on a server without a
     /// native compare-and-delete. A server that lost the script answers NOSCRIPT: send
     /// [`eval_command`](Self::eval_command) instead.
-    pub(crate) fn command(&self) -> redis::Cmd {
-        self.build("EVALSHA", UNLOCK.get_hash())
+    pub(crate) fn command(&self, wakes: Wakes) -> redis::Cmd {
+        self.build("EVALSHA", UNLOCK.get(wakes).get_hash())
     }
 
     /// The same call with the script's text (`EVAL`), for a server that lost the script: one
     /// round trip to the node that owns the key, which keeps the script for the next
     /// `EVALSHA` (unlike `SCRIPT LOAD`, which a Cluster connection sends to every node).
-    pub(crate) fn eval_command(&self) -> redis::Cmd {
-        self.build("EVAL", UNLOCK_LUA)
+    pub(crate) fn eval_command(&self, wakes: Wakes) -> redis::Cmd {
+        self.build("EVAL", UNLOCK.text(wakes))
     }
 
     fn build(&self, verb: &str, script: &str) -> redis::Cmd {
@@ -338,8 +393,8 @@ pub(crate) struct WithdrawIntent<'a> {
 }
 
 impl WithdrawIntent<'_> {
-    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
-        let mut call = WITHDRAW_INTENT.key(self.intent);
+    pub(crate) fn call(&self, wakes: Wakes) -> ScriptInvocation<'static> {
+        let mut call = WITHDRAW_INTENT.get(wakes).key(self.intent);
         call.key(self.wake).arg(self.token);
         call
     }
@@ -357,8 +412,8 @@ pub(crate) struct ForceRelease<'a> {
 }
 
 impl ForceRelease<'_> {
-    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
-        let mut call = FORCE_RELEASE.key(self.lock);
+    pub(crate) fn call(&self, wakes: Wakes) -> ScriptInvocation<'static> {
+        let mut call = FORCE_RELEASE.get(wakes).key(self.lock);
         call.key(self.fence)
             .key(self.min_hold_timer)
             .key(self.write_intent)
@@ -450,8 +505,8 @@ pub(crate) enum FairOp {
 }
 
 impl Fair<'_> {
-    pub(crate) fn call(&self) -> ScriptInvocation<'static> {
-        let mut call = FAIR.key(self.lock);
+    pub(crate) fn call(&self, wakes: Wakes) -> ScriptInvocation<'static> {
+        let mut call = FAIR.get(wakes).key(self.lock);
         call.key(self.queue).key(self.leases).key(self.wake);
         let op = match self.op {
             FairOp::Take { .. } => "take",
@@ -496,8 +551,9 @@ pub(crate) fn multi_acquire<'a>(
 pub(crate) fn multi_release<'a>(
     keys: impl IntoIterator<Item = (&'a str, &'a str, Duration)>,
     token: &str,
+    wakes: Wakes,
 ) -> ScriptInvocation<'static> {
-    let mut call = MULTI_RELEASE.prepare_invoke();
+    let mut call = MULTI_RELEASE.get(wakes).prepare_invoke();
     call.arg(token);
     for (lock, wake, keep) in keys {
         call.key(lock)
@@ -553,7 +609,7 @@ mod tests {
             hold,
             keep: Duration::ZERO,
         };
-        call.call().invoke_async(conn).await.unwrap()
+        call.call(Wakes::Classic).invoke_async(conn).await.unwrap()
     }
 
     #[tokio::test]
@@ -576,12 +632,19 @@ mod tests {
             message: "tag",
         };
         // A bare EVALSHA finds no script; the EVAL form runs it and leaves it for the next.
-        let missing = bare.command().query_async::<i64>(&mut conn).await;
+        let missing = bare
+            .command(Wakes::Classic)
+            .query_async::<i64>(&mut conn)
+            .await;
         assert_eq!(
             missing.unwrap_err().kind(),
             redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
         );
-        let released: i64 = bare.eval_command().query_async(&mut conn).await.unwrap();
+        let released: i64 = bare
+            .eval_command(Wakes::Classic)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
         assert_eq!(released, 0, "nothing was held");
         let unlock = |token: &'static str, keep: Duration| {
             Unlock {
@@ -591,7 +654,7 @@ mod tests {
                 keep,
                 message: "tag",
             }
-            .command()
+            .command(Wakes::Classic)
         };
         let _: () = conn.set(lock, "a").await.unwrap();
         // Another owner's token: nothing happens.
@@ -779,7 +842,7 @@ mod tests {
             hold: "a",
             keep: Duration::from_secs(5),
         }
-        .call();
+        .call(Wakes::Classic);
         let released: i64 = call.invoke_async(&mut conn).await.unwrap();
         assert_eq!(released, 1);
         let pttl: i64 = conn.pttl(lock).await.unwrap();
@@ -811,7 +874,7 @@ mod tests {
             unclaimed: Duration::from_secs(2),
             op,
         };
-        call.call().invoke_async(conn).await.unwrap()
+        call.call(Wakes::Classic).invoke_async(conn).await.unwrap()
     }
 
     fn take(join: bool) -> FairOp {
@@ -867,6 +930,57 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(left, 0);
+    }
+
+    #[tokio::test]
+    async fn each_variant_publishes_with_its_own_command() {
+        // Sharded pub/sub works on one server too (Redis 7.0, Valkey): a sharded subscriber
+        // hears only the sharded variant, a classic one only the classic.
+        let server = RedisServer::shared().unwrap();
+        let mut conn = connect(&server).await;
+        let (lock, wake) = ("l{variants}", "l{variants}:wake");
+        let client = redis::Client::open(format!("{}?protocol=resp3", server.url())).unwrap();
+        let (pushes, mut heard) = tokio::sync::mpsc::unbounded_channel();
+        let config = redis::AsyncConnectionConfig::new().set_push_sender(pushes);
+        let mut listener = client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+            .unwrap();
+        let _: redis::Value = redis::cmd("SSUBSCRIBE")
+            .arg(wake)
+            .query_async(&mut listener)
+            .await
+            .unwrap();
+        let unlock = |wakes: Wakes| {
+            Unlock {
+                lock,
+                wake,
+                token: "a",
+                keep: Duration::ZERO,
+                message: "tag",
+            }
+            .eval_command(wakes)
+        };
+        for (wakes, told) in [(Wakes::Classic, 0), (Wakes::Sharded, 1)] {
+            let _: () = conn.set(lock, "a").await.unwrap();
+            let released: i64 = unlock(wakes).query_async(&mut conn).await.unwrap();
+            assert_eq!(released, 1 + told, "{wakes:?}: 1 + the subscribers told");
+        }
+        let message = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let push = heard.recv().await.unwrap();
+                if push.kind == redis::PushKind::SMessage {
+                    break push;
+                }
+            }
+        });
+        let message = message.await.expect("the sharded message came");
+        assert_eq!(
+            message.data.get(1),
+            Some(&redis::Value::BulkString(b"tag".to_vec()))
+        );
+        let hash = |wakes| RELEASE.get(wakes).get_hash().to_owned();
+        assert_ne!(hash(Wakes::Classic), hash(Wakes::Sharded));
     }
 
     #[tokio::test]

@@ -223,13 +223,9 @@ async fn cluster_over_tls() {
     let nodes = RedisServer::start_cluster_tls(3, &certs).unwrap();
     let seeds: Vec<String> = nodes.iter().map(RedisServer::url).collect();
     assert!(seeds.iter().all(|s| s.starts_with("rediss://")));
-    let cluster = |ca: String| {
-        support::quick(
-            support::cluster(&nodes),
-            &support::unique_prefix("tls-cluster"),
-        )
-        .tls_ca_certificate(ca)
-    };
+    let prefix = support::unique_prefix("tls-cluster");
+    let cluster =
+        |ca: String| support::quick(support::cluster(&nodes), &prefix).tls_ca_certificate(ca);
     let locks = build(cluster(certs.ca_pem().unwrap()))
         .await
         .expect("connects to the cluster over TLS");
@@ -239,6 +235,39 @@ async fn cluster_over_tls() {
         let guard = locks.lock(format!("k{i}")).acquire().await.unwrap();
         guard.release().await.unwrap();
     }
+    // A waiter of another manager, subscribed over TLS on its key's master, is woken by the
+    // release where its fallback timer is a day away.
+    let waiter = build(cluster(certs.ca_pem().unwrap())).await.unwrap();
+    let day = Duration::from_secs(24 * 3600);
+    let held = locks.lock("w").ttl(day).acquire().await.unwrap();
+    let waiting = tokio::spawn(async move {
+        waiter
+            .lock("w")
+            .retry_delay(day)
+            .retries(20)
+            .acquire()
+            .await
+    });
+    let channel = format!("{prefix}{{w}}:wake");
+    let started = std::time::Instant::now();
+    while nodes.iter().all(|node| {
+        let reply = node.command(&["PUBSUB", "SHARDNUMSUB", &channel]).unwrap();
+        reply.ends_with(":0")
+    }) {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "never subscribed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    held.release().await.unwrap();
+    let woken = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("woken by the release")
+        .unwrap()
+        .unwrap();
+    assert!(woken.attempts() >= 2);
+    woken.release().await.unwrap();
 
     let other = TestCertificates::generate().unwrap();
     let refused = build(cluster(other.ca_pem().unwrap())).await;

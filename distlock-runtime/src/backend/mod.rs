@@ -23,6 +23,7 @@ mod redlock;
 mod route;
 mod sentinel;
 mod sets;
+mod shard_pubsub;
 
 pub(crate) use cluster::slot_of;
 pub(crate) use hold::{
@@ -32,6 +33,7 @@ pub(crate) use hold::{
 pub(crate) use node::{Node, denied};
 pub(crate) use pool::ConnectOptions;
 pub(crate) use sets::{SetKey, SetRequest};
+pub(crate) use shard_pubsub::SlotRanges;
 
 use crate::scripts;
 use hold::HoldRef;
@@ -311,6 +313,30 @@ impl Backend {
     /// A pub/sub connection for wake-ups (on the first master of a RedLock).
     pub(crate) async fn pubsub(&self) -> RedisResult<redis::aio::PubSub> {
         self.nodes()[0].pubsub().await
+    }
+
+    /// Whether wake-ups go per shard (`SPUBLISH`, `SSUBSCRIBE`): on a Cluster whose servers
+    /// have them.
+    pub(crate) fn sharded_wakes(&self) -> bool {
+        match &self.deployment {
+            Deployment::Node(node) => node.wakes() == scripts::Wakes::Sharded,
+            Deployment::RedLock(_) => false,
+        }
+    }
+
+    /// The master of each slot range of the Cluster (see [`Node::slot_masters`]).
+    pub(crate) async fn slot_masters(&self, ask: &[u16]) -> RedisResult<SlotRanges> {
+        self.nodes()[0].slot_masters(ask).await
+    }
+
+    /// A subscription connection to the Cluster master at `master` (see
+    /// [`Node::shard_pubsub`]).
+    pub(crate) async fn shard_pubsub(
+        &self,
+        master: &str,
+        pushes: tokio::sync::mpsc::UnboundedSender<redis::PushInfo>,
+    ) -> RedisResult<redis::aio::MultiplexedConnection> {
+        self.nodes()[0].shard_pubsub(master, pushes).await
     }
 
     /// Sends `cmd` to every master and returns each node's answers (see

@@ -119,7 +119,9 @@ impl Node {
     pub(crate) async fn load_scripts(&self) -> RedisResult<()> {
         let mut conn = self.conn().await?;
         let limit = self.pool.connect_timeout * 3;
-        for script in scripts::all() {
+        let wakes = self.find_wakes(&mut conn).await;
+        *self.pool.wakes.lock().unwrap_or_else(|e| e.into_inner()) = wakes;
+        for script in scripts::all(wakes) {
             bounded(limit, script.prepare_invoke().load_async(&mut conn)).await?;
         }
         if self.pool.sync_replicas.is_some() && self.pool.sync_aof {
@@ -163,6 +165,28 @@ impl Node {
             }
         }
         NativeDelete::Script
+    }
+
+    /// How wake-ups go on this deployment: sharded on a Cluster whose servers have `SPUBLISH`
+    /// (Redis 7.0, Valkey; asked with `COMMAND INFO`), classic everywhere else, and where the
+    /// server will not say.
+    async fn find_wakes(&self, conn: &mut Conn) -> scripts::Wakes {
+        if self.route.one_server() {
+            return scripts::Wakes::Classic;
+        }
+        let info = redis::cmd("COMMAND").arg("INFO").arg("SPUBLISH").to_owned();
+        let answer: RedisResult<Vec<redis::Value>> = self.bounded(info.query_async(conn)).await;
+        match answer {
+            Ok(answer) if answer.iter().any(|v| !matches!(v, redis::Value::Nil)) => {
+                scripts::Wakes::Sharded
+            }
+            _ => scripts::Wakes::Classic,
+        }
+    }
+
+    /// How wake-ups are published and followed (found at `build()`).
+    pub(crate) fn wakes(&self) -> scripts::Wakes {
+        *self.pool.wakes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The native compare-and-delete found at `build()`.
@@ -450,7 +474,7 @@ impl Node {
                 join,
             },
         }
-        .call()
+        .call(self.wakes())
     }
 
     /// Runs an acquire script and, after a grant, WAITs for `wanted` replicas for at most
@@ -576,7 +600,7 @@ impl Node {
                 token,
                 hold: token,
             }
-            .call(),
+            .call(self.wakes()),
             None => scripts::Release {
                 lock,
                 wake,
@@ -584,7 +608,7 @@ impl Node {
                 hold: token,
                 keep,
             }
-            .call(),
+            .call(self.wakes()),
         };
         // Boxed: the plain lock's release above carries none of this script call's state.
         let released: i64 =
@@ -610,7 +634,7 @@ impl Node {
             unclaimed: FAIR_UNCLAIMED,
             op: scripts::FairOp::Release,
         }
-        .call();
+        .call(self.wakes());
         let bounds = conn.bounds();
         let (status, value): (i64, redis::Value) =
             self.watch(answer!(self, bounds, call.invoke_async(&mut conn)))?;
@@ -658,7 +682,7 @@ impl Node {
         // Both go out back to back on the multiplexed connection: one round trip. The wake-up
         // is sent whatever the delete finds; a waiter woken for nothing finds the lock busy
         // and waits again.
-        let mut publish = command("PUBLISH", 2, ids.wake.len() + message.len());
+        let mut publish = command(self.wakes().command(), 2, ids.wake.len() + message.len());
         publish.arg(&ids.wake).arg(message);
         let mut both = redis::pipe();
         both.add_command(delete).add_command(publish);
@@ -711,14 +735,14 @@ impl Node {
             message,
         };
         let bounds = conn.bounds();
-        let command = call.command();
+        let command = call.command(self.wakes());
         let answer = answer!(self, bounds, conn.query::<i64>(&command));
         let released = match answer {
             // The server lost its scripts (a restart, `SCRIPT FLUSH`): the same call with the
             // script's text, which the server keeps for the next one. Boxed, as rare: its
             // state stays out of every release's future.
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                let again = call.eval_command();
+                let again = call.eval_command(self.wakes());
                 Box::pin(async { answer!(self, bounds, conn.query::<i64>(&again)) }).await
             }
             answer => answer,
@@ -797,7 +821,8 @@ impl Node {
     /// A new pub/sub connection, opened from the current runtime.
     pub(crate) async fn pubsub(&self) -> RedisResult<redis::aio::PubSub> {
         // On Cluster, classic pub/sub is cluster-wide: a PUBLISH on the node that owns a lock
-        // reaches subscribers on any node, so the first seed serves.
+        // reaches subscribers on any node, so the first seed serves (elections, and waiters
+        // where the servers have no sharded pub/sub; see `shard_pubsub.rs`).
         bounded(
             self.pool.connect_timeout,
             self.pool.client().get_async_pubsub(),
@@ -854,7 +879,7 @@ impl Node {
         withdraw: &scripts::WithdrawIntent<'_>,
     ) -> RedisResult<bool> {
         let mut conn = self.conn().await?;
-        let call = withdraw.call();
+        let call = withdraw.call(self.wakes());
         let withdrawn: i64 = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
         Ok(withdrawn == 1)
     }

@@ -76,6 +76,8 @@ pub(super) struct Pool {
     pub(super) replicated: Mutex<HashMap<runtime::Id, Vec<MultiplexedConnection>>>,
     /// The server's native compare-and-delete, as found at `build()`.
     pub(super) delete: Mutex<NativeDelete>,
+    /// How wake-ups are published and followed, as found at `build()`.
+    pub(super) wakes: Mutex<crate::scripts::Wakes>,
     /// Credentials and TLS material beyond what the URLs say.
     pub(super) security: Arc<Security>,
     /// This manager's id: what its releases of plain locks publish on the wake channel.
@@ -130,6 +132,7 @@ impl Pool {
             watched: Mutex::new(HashSet::new()),
             replicated: Mutex::new(HashMap::new()),
             delete: Mutex::new(NativeDelete::Script),
+            wakes: Mutex::new(crate::scripts::Wakes::Classic),
             security: options.security,
             manager_id: options.manager_id,
             client_name: options.client_name,

@@ -152,6 +152,7 @@ impl Node {
                 .iter()
                 .map(|key| (key.lock.as_str(), key.wake.as_str(), key.keep)),
             &req.token,
+            self.wakes(),
         );
         let released: Vec<i64> = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
         Ok(released.into_iter().map(|r| r == 1).collect())

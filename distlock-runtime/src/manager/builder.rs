@@ -96,8 +96,11 @@ impl LockManagerBuilder {
     /// lock shares one hash slot, so its scripts run on the node that owns that slot; the
     /// connection follows MOVED and ASK redirections and failovers. Replaces `redis_url`.
     ///
-    /// Waiters are woken through classic pub/sub on the first seed (a PUBLISH reaches every
-    /// node of a cluster); if that node is down, their fallback timers take over.
+    /// Waiters are woken per shard where the servers have sharded pub/sub (Redis 7.0 and
+    /// later, Valkey): releases publish with `SPUBLISH`, and waiters follow each lock's wake
+    /// channel with `SSUBSCRIBE` on the master of its slot, so a master that is down costs
+    /// only its own keys' wake-ups (their fallback timers take over). On older servers, through
+    /// classic pub/sub on the first seed.
     /// With `sync_replicas`, each grant's `WAIT` goes to the master that granted it (for a
     /// set, to each slot group's master).
     pub fn cluster<I, S>(mut self, seeds: I) -> Self

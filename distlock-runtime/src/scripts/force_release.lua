@@ -81,5 +81,5 @@ for at = 1, #shares, 3 do
   redis.call('del', lock .. ':s:' .. shares[at])
 end
 redis.call('del', lock, timer, intent)
-redis.call('publish', wake, '')
+redis.call(publish, wake, '')
 return {form, pttl, counter, fields, shares, 1}

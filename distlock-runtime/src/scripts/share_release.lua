@@ -51,5 +51,5 @@ redis.call('del', share)
 if live_shares(lock) == 0 then
   redis.call('del', lock)
 end
-redis.call('publish', KEYS[3], '')
+redis.call(publish, KEYS[3], '')
 return 1

@@ -3,7 +3,8 @@
 //! Waiters of one manager for one key form a local FIFO queue, and only its head competes in
 //! Redis. The head is woken by the release itself: the release script publishes on the
 //! lock's wake channel (`prefix{key}:wake`), which the manager follows on one shared pub/sub
-//! connection, subscribed per key while the key has local waiters; a release made by this
+//! connection (on a Cluster with sharded pub/sub, on one per master: see `shards.rs`),
+//! subscribed per key while the key has local waiters; a release made by this
 //! manager also wakes the head directly. A timed look stays as the fallback for expiries
 //! (which publish nothing): while the channel is followed, at the end of the holder's
 //! remaining lease (a lost connection wakes every waiter to look again); while it is not, a
@@ -40,6 +41,7 @@ use crate::handed::Handed;
 
 mod choice;
 mod pubsub;
+mod shards;
 
 use choice::{Choice, SLICE, Terms, choose};
 pub(crate) use choice::{CohortBounds, Passable};
@@ -64,6 +66,9 @@ struct Shared {
     closed: AtomicU64,
     /// Set by `close`: no pub/sub connection from then on.
     shut: AtomicBool,
+    /// On a Cluster with sharded pub/sub, the subscription connections, one per master, in
+    /// place of the one classic connection.
+    shards: shards::Shards,
     /// A task subscribes every waited channel again after the connection was lost.
     recovering: AtomicBool,
     /// Locks handed to a local waiter by a release.
@@ -297,6 +302,7 @@ impl Waiters {
                 generation: AtomicU64::new(0),
                 closed: AtomicU64::new(0),
                 shut: AtomicBool::new(false),
+                shards: shards::Shards::default(),
                 recovering: AtomicBool::new(false),
                 handoffs: AtomicU64::new(0),
                 passes: AtomicU64::new(0),
@@ -391,6 +397,8 @@ impl Waiters {
             if sink.sink.is_some() {
                 shared.drop_connection(&mut sink);
             }
+            drop(sink);
+            shared.close_shards().await;
         }
     }
 
@@ -637,16 +645,8 @@ impl Shared {
             return;
         }
         let (shared, channel) = (self.clone(), key.channel.clone());
-        key.driver.spawn(async move {
-            // Every holder of the sink lets go within its bounds.
-            let mut sink = shared.sink.lock().await;
-            // Re-joined while this waited for the sink: the new waiters keep the subscription.
-            // On another connection than the one subscribed: nothing to undo.
-            if shared.lock_keys().contains_key(&channel) || sink.generation != subscribed_in {
-                return;
-            }
-            shared.unsubscribe(&mut sink, &channel).await;
-        });
+        key.driver
+            .spawn(async move { shared.unfollow(&channel, subscribed_in).await });
     }
 }
 
@@ -820,8 +820,7 @@ impl Ticket {
         let Some(shared) = self.shared.upgrade() else {
             return false;
         };
-        let generation = shared.generation.load(Ordering::Acquire);
-        generation != 0 && self.key.subscribed_in.load(Ordering::Acquire) == generation
+        shared.alive(self.key.subscribed_in.load(Ordering::Acquire))
     }
 
     /// Makes sure the manager follows this key's wake channel, within the manager's connect
@@ -831,8 +830,7 @@ impl Ticket {
         let Some(shared) = self.shared.upgrade() else {
             return;
         };
-        let generation = shared.generation.load(Ordering::Acquire);
-        if generation != 0 && self.key.subscribed_in.load(Ordering::Acquire) == generation {
+        if shared.alive(self.key.subscribed_in.load(Ordering::Acquire)) {
             return;
         }
         let Some((backend, driver)) = &self.driver_backend else {

@@ -1,6 +1,7 @@
 //! The pub/sub side of waiting: the reader that routes each release to its key's waiters,
 //! following a key's wake channel while it has waiters, and getting every waited channel back
-//! after the connection is lost.
+//! after the connection is lost. The classic connection is here; on a Cluster with sharded
+//! pub/sub, `shards.rs` follows each channel on its slot's master instead.
 
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
@@ -81,6 +82,9 @@ impl Shared {
     /// subscribed is never left unknown. Every step is bounded; a failure leaves the waiters
     /// to their timers.
     pub(super) async fn follow(self: Arc<Self>, key: Arc<KeyState>, backend: Backend) {
+        if backend.sharded_wakes() {
+            return self.follow_shard(key, backend).await;
+        }
         // The holder of the sink finishes within this (a connect, or a subscribe and an
         // unsubscribe): waiting longer means something is stuck.
         let patience = self.connect_timeout + self.response_timeout * 2;
@@ -169,29 +173,37 @@ impl Shared {
         }));
     }
 
+    /// Subscribes every key that lost its subscription again, then wakes those keys (only
+    /// those: on a Cluster, the keys of the other shards heard every release meanwhile).
     pub(super) async fn resubscribe(self: &Arc<Self>, backend: Backend) {
+        let mut lost: Vec<Arc<KeyState>> = Vec::new();
         loop {
             let keys: Vec<_> = self.lock_keys().values().cloned().collect();
             if keys.is_empty() || self.shut.load(Ordering::Acquire) {
                 return;
             }
             for key in &keys {
+                if self.alive(key.subscribed_in.load(Ordering::Acquire)) {
+                    continue;
+                }
+                if !lost.iter().any(|seen| Arc::ptr_eq(seen, key)) {
+                    lost.push(Arc::clone(key));
+                }
                 Arc::clone(self)
                     .follow(Arc::clone(key), backend.clone())
                     .await;
             }
-            let generation = self.generation.load(Ordering::Acquire);
             if keys.iter().all(|key| {
-                key.subscribed_in.load(Ordering::Acquire) == generation || !self.is_waited(key)
+                self.alive(key.subscribed_in.load(Ordering::Acquire)) || !self.is_waited(key)
             }) {
-                for key in &keys {
+                for key in &lost {
                     key.woken();
                 }
                 // Once more when an attempt in flight at that wake-up has had its answer (a
                 // waiter counts wake-ups from its last look, which that attempt is): it then
                 // sleeps on what may be a stale busy answer, and is woken to look again.
                 tokio::time::sleep(self.response_timeout + Duration::from_millis(50)).await;
-                for key in keys.iter().filter(|key| self.is_waited(key)) {
+                for key in lost.iter().filter(|key| self.is_waited(key)) {
                     key.woken();
                 }
                 return;
@@ -199,6 +211,30 @@ impl Shared {
             let pause = self.connect_timeout.mul_f64(1.0 + fastrand::f64() / 2.0);
             tokio::time::sleep(pause).await;
         }
+    }
+
+    /// Whether the connection of `generation` (a key's `subscribed_in`) is open: the classic
+    /// one, or a shard's.
+    pub(super) fn alive(&self, generation: u64) -> bool {
+        generation != 0
+            && (generation == self.generation.load(Ordering::Acquire)
+                || self.shards.is_open(generation))
+    }
+
+    /// Stops following `channel`, subscribed on the connection of `subscribed_in`, once
+    /// nobody waits for it any more.
+    pub(super) async fn unfollow(&self, channel: &str, subscribed_in: u64) {
+        if self.shards.is_open(subscribed_in) {
+            return self.shard_unfollow(channel, subscribed_in).await;
+        }
+        // Every holder of the sink lets go within its bounds.
+        let mut sink = self.sink.lock().await;
+        // Re-joined while this waited for the sink: the new waiters keep the subscription.
+        // On another connection than the one subscribed: nothing to undo.
+        if self.lock_keys().contains_key(channel) || sink.generation != subscribed_in {
+            return;
+        }
+        self.unsubscribe(&mut sink, channel).await;
     }
 
     /// Whether `key` is still the waiting state of its channel.
