@@ -102,18 +102,22 @@ async fn crash(
 }
 
 /// The failover table: on each cluster, a master that is not the first seed is killed, then
-/// the first seed (which the managers were built with first).
+/// with `cluster-require-full-coverage no` another one, then the first seed (which the
+/// managers were built with first).
 pub(super) async fn run(clusters: &[Deployment<'_>], options: &Options) {
     let steady = Duration::from_secs(if options.quick { 1 } else { 2 });
     println!(
         "\nfailover: key A on the master killed (SIGKILL; its replica takes over, \
          cluster-node-timeout 1 s, lease 2 s) and key B on another master, each handed between \
          two managers; for each key, its p99 gap between grants before the kill, and its \
-         longest gap from the kill on (until {steady:?} after A was granted again); errors: requests or releases that failed (each made again)"
+         longest gap from the kill on (until {steady:?} after A was granted again); coverage: \
+         `cluster-require-full-coverage` (Redis's default, yes: every master refuses every \
+         slot while one is down); errors: requests or releases that failed (each made again)"
     );
     println!(
-        "{:<16} {:<20} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "{:<16} {:>8} {:<20} {:>10} {:>10} {:>10} {:>10} {:>10}",
         "deployment",
+        "coverage",
         "master killed",
         "A p99 gap",
         "A longest",
@@ -127,12 +131,21 @@ pub(super) async fn run(clusters: &[Deployment<'_>], options: &Options) {
             managers.push(cluster.manager().await);
         }
         let managers: [LockManager; 4] = managers.try_into().expect("four managers");
-        let last = cluster.masters - 1;
-        for (what, victim, other) in [("not the first seed", last, 0), ("the first seed", 0, 1)] {
+        let (last, next) = (cluster.masters - 1, cluster.masters - 2);
+        let crashes = [
+            (true, "not the first seed", last, 0),
+            (false, "not the first seed", next, 0),
+            (false, "the first seed", 0, 1),
+        ];
+        for (coverage, what, victim, other) in crashes {
+            if !coverage {
+                full_coverage(cluster, false);
+            }
             let c = crash(cluster, &managers, victim, other, steady).await;
             println!(
-                "{:<16} {:<20} {:>10.2?} {:>10} {:>10.2?} {:>10.2?} {:>10}",
+                "{:<16} {:>8} {:<20} {:>10.2?} {:>10} {:>10.2?} {:>10.2?} {:>10}",
                 cluster.name,
+                if coverage { "yes" } else { "no" },
                 what,
                 c.a_p99_before,
                 if c.back {
@@ -148,5 +161,16 @@ pub(super) async fn run(clusters: &[Deployment<'_>], options: &Options) {
         for locks in &managers {
             locks.shutdown().await;
         }
+    }
+}
+
+/// Sets `cluster-require-full-coverage` on every running node of `cluster`.
+fn full_coverage(cluster: &Deployment<'_>, required: bool) {
+    let value = if required { "yes" } else { "no" };
+    for node in cluster.nodes.iter().filter(|n| n.is_running()) {
+        let reply = node
+            .command(&["CONFIG", "SET", "cluster-require-full-coverage", value])
+            .unwrap_or_default();
+        assert!(reply.starts_with('+'), "CONFIG SET: {reply}");
     }
 }
