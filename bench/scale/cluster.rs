@@ -392,10 +392,10 @@ pub(super) async fn run(
         "\ncluster, one contended key: handed between two managers {rounds} times (each time \
          the holder waits until the other's request is queued, then releases); per hand-over \
          (a release and the other manager's grant): commands and bytes in/out on the key's own \
-         master (the last; the first seed is among the others), the most on any other master and on any replica; publish/spublish calls and \
-         cluster-bus publish messages over all nodes; wake: release to grant in the other \
-         manager. Clusters have one replica per master; client and {} servers share the \
-         machine's cores.",
+         master (the last; the first seed is among the others), the most on any other \
+         master and on any replica; publish/spublish calls and cluster-bus publish messages \
+         over all nodes; wake: release to grant in the other manager. One run each; Clusters \
+         have one replica per master; client and {} servers share the machine's cores.",
         1 + three.len() + six.len()
     );
     let mut all = Vec::new();
