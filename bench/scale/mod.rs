@@ -1,6 +1,8 @@
 //! `--scale`: what thousands of held locks, waiters and managers cost, on the client and on
 //! the server, at 1k, 10k and 100k (`--scale-max N` caps it; `--quick` stops at 10k with
-//! shorter windows). Included by `examples/bench.rs`.
+//! shorter windows), then what Cluster costs at 3 and 6 masters beside one server (`cluster`;
+//! `--cluster` runs those tables alone). Included by `examples/bench.rs`; the rows on one
+//! server are in `rows`.
 //!
 //! Client memory is the process's resident set (`VmRSS` in `/proc/self/status`) before and
 //! after; server figures come from `INFO` (memory, cpu, clients, commandstats) and `PUBSUB`.
