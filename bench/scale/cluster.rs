@@ -142,7 +142,8 @@ async fn probe(
             request.acquire().await.expect("probe wait").release().await
         })
     };
-    while pair[1].stats().waiting_requests == 0 {
+    let queued_by = std::time::Instant::now() + Duration::from_secs(5);
+    while pair[1].stats().waiting_requests == 0 && std::time::Instant::now() < queued_by {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     // The subscription, made right after the request is queued, settles.
