@@ -164,6 +164,11 @@ impl Commands {
         )
     }
 
+    /// Calls of the command `name` (`publish`, `evalsha`).
+    pub(crate) fn calls(&self, name: &str) -> u64 {
+        self.0.get(name).copied().unwrap_or(0)
+    }
+
     /// All calls.
     pub(crate) fn total(&self) -> u64 {
         self.0.values().sum()

@@ -3,8 +3,9 @@
 //! Run it with `cargo run --release --example bench` (add `-- --quick` for a short run,
 //! `-- --reps 5` for medians of five runs of the uncontended rows, `-- --server valkey` or
 //! `-- --server /path/to/valkey-server` to measure another server, `-- --scale` for what 1k,
-//! 10k and 100k held locks, waiters and 1–32 managers cost (`-- --scale-max 10000` to stop
-//! earlier; see `bench/scale.rs`), or `-- --soak 1000000` to
+//! 10k and 100k held locks, waiters and 1–32 managers cost, and what Cluster costs at 3 and 6
+//! masters beside one server (`-- --scale-max 10000` to stop earlier, `-- --scale --cluster`
+//! for the Cluster tables alone; see `bench/scale/`), or `-- --soak 1000000` to
 //! check that a million cycles leave nothing behind, or `-- --only manual 1` to run one
 //! uncontended workload — `raw`, `manual` or `annotated` — with that many tasks for the row's
 //! time, alone, for a profiler such as `valgrind --tool=callgrind`; `-- --writes` for the
@@ -22,7 +23,7 @@ use distlock::testing::RedisServer;
 
 #[path = "../bench/harness.rs"]
 mod harness;
-#[path = "../bench/scale.rs"]
+#[path = "../bench/scale/mod.rs"]
 mod scale;
 #[path = "../bench/writes.rs"]
 mod writes;

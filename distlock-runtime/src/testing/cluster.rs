@@ -15,6 +15,12 @@ impl RedisServer {
 
     /// Like [`start_cluster`](Self::start_cluster), with `replicas` replicas per master, all
     /// synced before it returns (`CLUSTER NODES` tells which server has which role).
+    ///
+    /// The servers come back masters first, master `i` owning the `i`-th of `masters` even
+    /// slot ranges (slots `i * 16384 / masters` up to the next master's first), then the
+    /// replicas, the one at `masters + j` replicating master `j % masters`. Any number of
+    /// masters from 3 works: `start_cluster_with_replicas(6, 1)` starts the 12 servers of a
+    /// six-master Cluster with one replica each, as `bench -- --scale --cluster` does.
     pub fn start_cluster_with_replicas(
         masters: usize,
         replicas: usize,
