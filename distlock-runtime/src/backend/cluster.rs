@@ -107,28 +107,6 @@ impl Lanes {
         map.conns.get(lane).unwrap_or(&map.conns[0]).clone()
     }
 
-    /// A slot of each lane's master, as the lanes were opened: where to ask what the
-    /// Cluster looks like, one master after another.
-    pub(super) fn first_slots(&self) -> Vec<u16> {
-        let mut firsts: Vec<Option<u16>> = vec![None; self.map.conns.len()];
-        for (slot, &lane) in (0u16..).zip(self.map.lane_of.iter()) {
-            let first = firsts.get_mut(usize::from(lane));
-            if let Some(first @ None) = first {
-                *first = Some(slot);
-            }
-        }
-        firsts.into_iter().flatten().collect()
-    }
-
-    /// Sends `cmd` (a command without a key) to the master of `slot`, on that slot's lane.
-    pub(super) async fn send_to_slot(&self, slot: u16, cmd: &Cmd) -> RedisResult<Value> {
-        let at = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
-            slot,
-            SlotAddr::Master,
-        )));
-        self.lane(slot).route_command(cmd.clone(), at).await
-    }
-
     /// Sends `cmd` on the lane of its key's slot; a command without a key after a keyed
     /// one goes to the master of that one's slot.
     pub(super) async fn send(&mut self, cmd: &Cmd) -> RedisResult<Value> {

@@ -325,8 +325,12 @@ impl Backend {
     }
 
     /// The master of each slot range of the Cluster (see [`Node::slot_masters`]).
-    pub(crate) async fn slot_masters(&self, ask: &[u16]) -> RedisResult<SlotRanges> {
-        self.nodes()[0].slot_masters(ask).await
+    pub(crate) async fn slot_masters(
+        &self,
+        open: Vec<redis::aio::MultiplexedConnection>,
+        masters: &[String],
+    ) -> RedisResult<SlotRanges> {
+        self.nodes()[0].slot_masters(open, masters).await
     }
 
     /// A subscription connection to the Cluster master at `master` (see

@@ -6,6 +6,7 @@ use std::io;
 use redis::aio::MultiplexedConnection;
 use redis::{
     AsyncConnectionConfig, ConnectionAddr, ProtocolVersion, PushInfo, RedisError, RedisResult,
+    Value,
 };
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -17,21 +18,21 @@ use super::pool::{Conn, bounded};
 pub(crate) type SlotRanges = Vec<(u16, u16, String)>;
 
 impl Node {
-    /// The master of each slot range, from `CLUSTER SLOTS`: asked of the master of each of
-    /// `ask` in turn (a slot each, on that slot's own connection, so that a master that does
-    /// not answer holds up only its own turn, within the response timeout), then of each
-    /// master as the connections were opened, then of any node.
-    pub(crate) async fn slot_masters(&self, ask: &[u16]) -> RedisResult<SlotRanges> {
-        let Conn::Cluster(mut lanes) = self.conn().await? else {
-            return Err(
-                io::Error::other("slot masters asked of a node that is not a Cluster").into(),
-            );
-        };
+    /// The master of each slot range, from `CLUSTER SLOTS`: asked on each of `open` (the
+    /// subscription connections open now), then of each of `masters` in turn on a connection
+    /// of its own, closed after (the masters of the last map, those reachable lately first),
+    /// then of the first seed; each bounded by the response timeout, so a master that does not
+    /// answer holds up only its own turn. Only when none answers is the Cluster connection
+    /// asked (which opens this runtime's lanes if it had none).
+    pub(crate) async fn slot_masters(
+        &self,
+        open: Vec<MultiplexedConnection>,
+        masters: &[String],
+    ) -> RedisResult<SlotRanges> {
         let slots = redis::cmd("CLUSTER").arg("SLOTS").to_owned();
         let mut last = None;
-        let firsts = lanes.first_slots();
-        for &slot in ask.iter().chain(firsts.iter()) {
-            match self.bounded(lanes.send_to_slot(slot, &slots)).await {
+        for mut conn in open {
+            match self.bounded(slots.query_async::<Value>(&mut conn)).await {
                 Ok(answer) => match slot_ranges(&answer) {
                     ranges if !ranges.is_empty() => return Ok(ranges),
                     _ => continue,
@@ -39,9 +40,38 @@ impl Node {
                 Err(error) => last = Some(error),
             }
         }
+        let seed = self.seed_address();
+        for master in masters.iter().map(String::as_str).chain(seed.as_deref()) {
+            let asked = async {
+                let mut conn = self.connect_to(master, None).await?;
+                self.bounded(slots.query_async::<Value>(&mut conn)).await
+            };
+            match asked.await {
+                Ok(answer) => match slot_ranges(&answer) {
+                    ranges if !ranges.is_empty() => return Ok(ranges),
+                    _ => continue,
+                },
+                Err(error) => last = Some(error),
+            }
+        }
+        // None of them: the Cluster connection knows every seed, and finds a node that answers
+        // (its lanes are opened on this runtime if they were not yet).
+        let Conn::Cluster(mut lanes) = self.conn().await? else {
+            return Err(last.unwrap_or_else(|| io::Error::other("not a Cluster").into()));
+        };
         match self.bounded(lanes.send(&slots)).await {
             Ok(answer) => Ok(slot_ranges(&answer)),
             Err(error) => Err(last.unwrap_or(error)),
+        }
+    }
+
+    /// `host:port` of the first seed.
+    fn seed_address(&self) -> Option<String> {
+        match self.pool.client().get_connection_info().addr() {
+            ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
+                Some(format!("{host}:{port}"))
+            }
+            _ => None,
         }
     }
 
@@ -53,6 +83,17 @@ impl Node {
         &self,
         master: &str,
         pushes: UnboundedSender<PushInfo>,
+    ) -> RedisResult<MultiplexedConnection> {
+        self.connect_to(master, Some(pushes)).await
+    }
+
+    /// A RESP3 connection to the node at `master` (`host:port`), whose pushes go to `pushes`
+    /// if given; with the credentials, TLS material and socket settings of every other
+    /// connection, named as they are. Bounded by the connect timeout.
+    async fn connect_to(
+        &self,
+        master: &str,
+        pushes: Option<UnboundedSender<PushInfo>>,
     ) -> RedisResult<MultiplexedConnection> {
         let (host, port) = master
             .rsplit_once(':')
@@ -80,10 +121,12 @@ impl Node {
             .pool
             .security
             .tls_client(info.set_addr(addr).set_redis_settings(settings))?;
-        let config = AsyncConnectionConfig::new()
+        let mut config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.pool.connect_timeout))
-            .set_response_timeout(Some(self.pool.response_timeout))
-            .set_push_sender(pushes);
+            .set_response_timeout(Some(self.pool.response_timeout));
+        if let Some(pushes) = pushes {
+            config = config.set_push_sender(pushes);
+        }
         let connect = client.get_multiplexed_async_connection_with_config(&config);
         let mut conn = bounded(self.pool.connect_timeout, connect).await?;
         // Named, as every connection of the manager; a refusal costs nothing more.

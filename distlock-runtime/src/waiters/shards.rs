@@ -121,16 +121,25 @@ impl Shards {
         map.ranges.is_empty() || (map.stale && map.read_at.is_none_or(|at| at.elapsed() >= REREAD))
     }
 
-    /// A slot of each master to ask for the map, those that were reachable lately first.
-    fn ask_order(&self) -> Vec<u16> {
+    /// The masters to ask for the map, those that were reachable lately first.
+    fn ask_order(&self) -> Vec<String> {
         let map = locked(&self.map);
         let mut seen = HashSet::new();
-        let mut order: Vec<(bool, u16)> = (map.ranges.iter())
+        let mut order: Vec<(bool, String)> = (map.ranges.iter())
             .filter(|(_, _, master)| seen.insert(master.clone()))
-            .map(|(first, _, master)| (map.down.contains(master), *first))
+            .map(|(_, _, master)| (map.down.contains(master), master.clone()))
             .collect();
-        order.sort_by_key(|&(down, _)| down);
-        order.into_iter().map(|(_, slot)| slot).collect()
+        order.sort_by_key(|(down, _)| *down);
+        order.into_iter().map(|(_, master)| master).collect()
+    }
+
+    /// The subscription connections open now and not in use this moment (any of them can
+    /// also say what the Cluster looks like).
+    fn open_conns(&self) -> Vec<MultiplexedConnection> {
+        let open: Vec<_> = locked(&self.open).values().cloned().collect();
+        (open.iter())
+            .filter_map(|shard| shard.try_lock().ok().and_then(|shard| shard.conn.clone()))
+            .collect()
     }
 
     /// The map may be out of date: read it again before the next subscribe; `down`, if
@@ -184,10 +193,9 @@ impl Shared {
             if let Ok(_reading) = tokio::time::timeout(patience, self.shards.reading.lock()).await
                 && self.shards.needs_reading()
             {
-                // The key's own master first: when it is down, its subscription waits anyway.
-                let mut ask = vec![slot];
-                ask.extend(self.shards.ask_order());
-                let answer = backend.slot_masters(&ask).await;
+                let answer = backend
+                    .slot_masters(self.shards.open_conns(), &self.shards.ask_order())
+                    .await;
                 let mut map = locked(&self.shards.map);
                 map.read_at = Some(Instant::now());
                 match answer {
