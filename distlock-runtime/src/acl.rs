@@ -24,8 +24,8 @@ const COMMANDS: &[&str] = &[
     "hdel",
     "hexists",
     "hget",
+    "hgetall",
     "hincrby",
-    "hkeys",
     "hmget",
     "hset",
     "hsetnx",
@@ -34,6 +34,7 @@ const COMMANDS: &[&str] = &[
     "pttl",
     "publish",
     "set",
+    "time",
     "type",
 ];
 
