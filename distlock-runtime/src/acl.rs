@@ -32,8 +32,8 @@ const COMMANDS: &[&str] = &[
     "hdel",
     "hexists",
     "hget",
+    "hgetall",
     "hincrby",
-    "hkeys",
     "hmget",
     "hset",
     "hsetnx",
@@ -43,6 +43,7 @@ const COMMANDS: &[&str] = &[
     "publish",
     "spublish",
     "set",
+    "time",
     "type",
 ];
 

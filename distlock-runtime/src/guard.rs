@@ -194,11 +194,7 @@ impl LockGuard {
             .exec(move |backend| async move {
                 match hold.plain {
                     true => backend.holds_plain(&hold).await,
-                    false => {
-                        backend
-                            .holds(&hold.lock, hold.share.as_deref(), &hold.token)
-                            .await
-                    }
+                    false => backend.holds(&hold.lock, hold.shared, &hold.token).await,
                 }
             })
             .await?
@@ -228,7 +224,7 @@ impl LockGuard {
                 let mut all = true;
                 for hold in &holds {
                     all &= backend
-                        .extend(&hold.lock, hold.share.as_deref(), &hold.token, ttl)
+                        .extend(&hold.lock, hold.shared, &hold.token, ttl)
                         .await?;
                 }
                 Ok::<bool, redis::RedisError>(all)

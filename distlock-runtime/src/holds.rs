@@ -138,7 +138,7 @@ mod tests {
             lock: format!("lock{n}"),
             wake: format!("wake{n}"),
             token: "token".into(),
-            share: None,
+            shared: false,
             plain: true,
             fair: None,
             late_until: None,

@@ -305,18 +305,11 @@ impl Snapshot {
                 let shared = snapshot
                     .pairs()
                     .any(|(field, value)| field == "mode" && matches!(value, "read" | "permits"));
-                let tokens: Vec<String> = if shared {
-                    snapshot.holder_fields().map(str::to_owned).collect()
-                } else {
-                    Vec::new()
-                };
-                for token in tokens {
-                    let share = keys.share(&token);
-                    let left: i64 = node.query(redis::cmd("PTTL").arg(&share)).await?;
-                    if left != -2 {
-                        let fence: Option<u64> = node.query(redis::cmd("GET").arg(&share)).await?;
-                        snapshot.shares.push((token, left, fence));
-                    }
+                if shared {
+                    // The shares' ends are server times: compared with the server's clock
+                    // (on Cluster, any node's: they keep one time to within their sync).
+                    let (secs, micros): (u64, u64) = node.query(&redis::cmd("TIME")).await?;
+                    snapshot.shares = snapshot.live_shares(secs * 1_000 + micros / 1_000);
                 }
             }
             _ => {}
@@ -368,11 +361,19 @@ impl Snapshot {
             .map(|pair| (pair[0].as_str(), pair[1].as_str()))
     }
 
-    /// A hash's fields that name holders.
-    fn holder_fields(&self) -> impl Iterator<Item = &str> {
+    /// The shares of a read or permits lock whose lease (the field `s:<token>`, the server
+    /// time it ends at) has not ended at server time `now_ms`: token, milliseconds left and
+    /// fencing token (field `f:<token>`), as `force_release.lua` reports them.
+    fn live_shares(&self, now_ms: u64) -> Vec<(String, i64, Option<u64>)> {
+        let value = |name: &str| self.pairs().find(|(f, _)| *f == name).map(|(_, v)| v);
         self.pairs()
-            .map(|(field, _)| field)
-            .filter(|field| names_holder(field))
+            .filter_map(|(field, ends)| {
+                let token = field.strip_prefix("s:")?;
+                let left = i64::try_from(ends.parse::<u64>().ok()?.checked_sub(now_ms)?).ok()?;
+                let fence = value(&format!("f:{token}")).and_then(|f| f.parse().ok());
+                (left > 0).then(|| (token.to_owned(), left, fence))
+            })
+            .collect()
     }
 
     /// What the snapshot says of the lock; `None` when there was no key.
@@ -463,10 +464,12 @@ fn number(value: &Value) -> Option<i64> {
     }
 }
 
-/// Whether a lock hash's field names a holder: every field but the lock's own and the
-/// first-hold markers (`h:<token>`).
+/// Whether a lock hash's field names a holder: every field but the lock's own, the
+/// first-hold markers (`h:<token>`) and a share's lease and fencing token (`s:<token>`,
+/// `f:<token>`).
 fn names_holder(field: &str) -> bool {
-    !matches!(field, "mode" | "permits" | "fence" | "min_hold") && !field.starts_with("h:")
+    !matches!(field, "mode" | "permits" | "fence" | "min_hold")
+        && !["h:", "s:", "f:"].iter().any(|p| field.starts_with(p))
 }
 
 /// A key's or a share's `PTTL` as a duration (`None`: no expiry, or no key).

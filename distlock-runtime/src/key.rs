@@ -46,11 +46,6 @@ impl Keys {
     pub(crate) fn min_hold_timer(&self) -> String {
         self.companion(MIN_HOLD_TIMER)
     }
-
-    /// The lease key of one read share or permit, held by `token`.
-    pub(crate) fn share(&self, token: &str) -> String {
-        share_key(&self.lock, token)
-    }
 }
 
 /// `<lock>:suffix`: a companion key in the lock's slot.
@@ -66,11 +61,6 @@ fn companion(lock: &str, suffix: &str) -> String {
 /// The fencing counter of `lock`.
 pub(crate) fn fence_key(lock: &str) -> String {
     companion(lock, FENCE)
-}
-
-/// The lease key of the share of `token` in `lock`.
-pub(crate) fn share_key(lock: &str, token: &str) -> String {
-    companion(lock, &format!("{SHARE}:{token}"))
 }
 
 /// A fair lock's queue of waiters (a list, oldest first), in the lock's slot.
@@ -94,7 +84,6 @@ const FENCE: &str = "fence";
 const WAKE: &str = "wake";
 const WRITE_INTENT: &str = "wi";
 const MIN_HOLD_TIMER: &str = "mh";
-const SHARE: &str = "s";
 const QUEUE: &str = "queue";
 const QUEUE_LEASES: &str = "queue:leases";
 
@@ -195,7 +184,7 @@ mod tests {
     /// Every key a lock may write, as the request code derives them.
     fn all_keys(keys: &Keys) -> Vec<String> {
         let mut all = vec![keys.lock.clone()];
-        all.extend(["fence", "wake", "wi", "s:token"].map(|s| keys.companion(s)));
+        all.extend(["fence", "wake", "wi", "mh"].map(|s| keys.companion(s)));
         all
     }
 

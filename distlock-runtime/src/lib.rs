@@ -33,8 +33,9 @@
 //!   server hold it passes along. Release, extend and renewal compare it on the server.
 //! * **hold** — one acquisition by an owner. Nested acquisitions of the same owner are holds
 //!   of one lock, counted in the process; the lock is given back with the last.
-//! * **share** — the part of a read lock or semaphore one owner has: its own lease key
-//!   (`…:s:<token>`), so that a reader that dies frees its share alone.
+//! * **share** — the part of a read lock or semaphore one owner has: fields of the lock's own
+//!   hash with a lease of its own (`s:<token>`, the server time it ends at), so that a reader
+//!   that dies frees its share alone.
 //! * **lease** — how long the server keeps a hold without a renewal (the key's `PX`); the
 //!   guard's [`remaining`](LockGuard::remaining) is the client's conservative view of it.
 //! * **grant** — the server's answer that a request now holds the lock.

@@ -569,7 +569,6 @@ pub(crate) async fn withdraw_intent(inner: Arc<Inner>, ids: Arc<HoldIds>, intent
 
 /// The script shape of a first (or shared) hold of the plan's kind for `token`.
 fn shape_of(plan: &Plan<Keys>, token: &str, manager_id: &str) -> Shape {
-    let share = || plan.keys.share(token);
     let intent = || plan.keys.write_intent();
     match plan.kind {
         // Checked by `plan`: exclusive, without fencing or min_hold.
@@ -600,12 +599,10 @@ fn shape_of(plan: &Plan<Keys>, token: &str, manager_id: &str) -> Shape {
             }
         }
         RequestKind::Read => Shape::Share {
-            share: share(),
             intent: intent(),
             permits: None,
         },
         RequestKind::Permits(permits) => Shape::Share {
-            share: share(),
             intent: intent(),
             permits: Some(permits),
         },

@@ -333,7 +333,7 @@ fn hold_ids(key: &SetKey, token: &str, late_until: Option<Instant>) -> HoldIds {
         lock: key.lock.clone(),
         wake: key.wake.clone(),
         token: token.to_owned(),
-        share: None,
+        shared: false,
         plain: false,
         fair: None,
         late_until,
@@ -456,7 +456,7 @@ impl MultiGuard {
             let (lock, token) = (key.lock.clone(), self.request.token.clone());
             self.manager
                 .inner
-                .exec(move |backend| async move { backend.holds(&lock, None, &token).await })
+                .exec(move |backend| async move { backend.holds(&lock, false, &token).await })
         });
         for (answer, keys) in futures_util::future::join_all(checks)
             .await
@@ -489,7 +489,7 @@ impl MultiGuard {
             let (lock, token) = (key.lock.clone(), self.request.token.clone());
             self.manager
                 .inner
-                .exec(move |backend| async move { backend.extend(&lock, None, &token, ttl).await })
+                .exec(move |backend| async move { backend.extend(&lock, false, &token, ttl).await })
         });
         let answers = futures_util::future::join_all(calls).await;
         let mut lost = None;

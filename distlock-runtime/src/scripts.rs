@@ -13,7 +13,8 @@
 //! Cluster whose servers have it (Redis 7.0, Valkey) `SPUBLISH`, which keeps the wake-up on
 //! the shard that owns the lock's slot instead of sending it to every node (see [`Wakes`]).
 
-use std::sync::{LazyLock, OnceLock};
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex, OnceLock};
 
 use std::time::Duration;
 
@@ -41,6 +42,27 @@ impl Wakes {
     }
 }
 
+/// The text of every script made so far, by its SHA1: what an `EVAL` sends when a node
+/// does not know a script's hash (see [`source_of`]).
+static SOURCES: LazyLock<Mutex<HashMap<String, &'static str>>> = LazyLock::new(Mutex::default);
+
+/// The script of `code`, its text kept for [`source_of`].
+fn script(code: &'static str) -> Script {
+    let script = Script::new(code);
+    let mut sources = SOURCES.lock().unwrap_or_else(|e| e.into_inner());
+    sources.insert(script.get_hash().to_owned(), code);
+    script
+}
+
+/// The text of the script whose SHA1 is `sha`, if this process made it: a node that answers
+/// `NOSCRIPT` (a master just promoted, a node the slot just moved to) is sent the text itself
+/// with the same keys and arguments, on the connection that reaches it.
+pub(crate) fn source_of(sha: &[u8]) -> Option<&'static str> {
+    let sha = std::str::from_utf8(sha).ok()?;
+    let sources = SOURCES.lock().unwrap_or_else(|e| e.into_inner());
+    sources.get(sha).copied()
+}
+
 /// A script that publishes wake-ups, in both variants (see the module's text).
 pub(crate) struct Published {
     texts: [&'static str; 2],
@@ -58,7 +80,7 @@ impl Published {
     /// The variant that publishes as `wakes` says.
     pub(crate) fn get(&self, wakes: Wakes) -> &Script {
         let at = wakes as usize;
-        self.scripts[at].get_or_init(|| Script::new(self.texts[at]))
+        self.scripts[at].get_or_init(|| script(self.texts[at]))
     }
 
     /// The text of that variant (for `EVAL`).
@@ -79,7 +101,8 @@ macro_rules! published {
 
 /// Take (or re-enter) an exclusive lock: `{1, fence}` when held, `{0, pttl}` when busy.
 pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
+    script(concat!(
+        include_str!("scripts/clock.lua"),
         include_str!("scripts/kind.lua"),
         include_str!("scripts/acquire.lua")
     ))
@@ -93,7 +116,8 @@ pub(crate) static RELEASE: Published = published!(
 
 /// Set the lease of a held lock: 1 set, 0 not held.
 pub(crate) static EXTEND: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
+    script(concat!(
+        include_str!("scripts/clock.lua"),
         include_str!("scripts/held_by.lua"),
         include_str!("scripts/extend.lua")
     ))
@@ -101,7 +125,8 @@ pub(crate) static EXTEND: LazyLock<Script> = LazyLock::new(|| {
 
 /// Renew a batch of leases, each checked against its token: one 1/0 per key.
 pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
+    script(concat!(
+        include_str!("scripts/clock.lua"),
         include_str!("scripts/held_by.lua"),
         include_str!("scripts/renew.lua")
     ))
@@ -114,7 +139,7 @@ pub(crate) static UNLOCK: Published = published!(include_str!("scripts/unlock.lu
 /// Pass a plain exclusive lock from its owner to the next one: 1 handed over, 0 not held.
 /// Used where the server has no conditional `SET … IFEQ`.
 pub(crate) static HANDOFF: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("scripts/handoff.lua")));
+    LazyLock::new(|| script(include_str!("scripts/handoff.lua")));
 
 /// A fair lock: take it in queue order, release it to the queue's head, or leave the queue
 /// (see the script for the answers).
@@ -122,7 +147,8 @@ pub(crate) static FAIR: Published = published!(include_str!("scripts/fair.lua"))
 
 /// Take the write side of a read-write lock: `{1, fence}` or `{0, pttl}`.
 pub(crate) static WRITE_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
+    script(concat!(
+        include_str!("scripts/clock.lua"),
         include_str!("scripts/kind.lua"),
         include_str!("scripts/write_acquire.lua")
     ))
@@ -136,21 +162,25 @@ pub(crate) static WITHDRAW_INTENT: Published =
 /// Take a read share or a semaphore permit: `{1, fence}`, `{0, pttl}`, or `{-1, permits}`
 /// when the semaphore is in use with another number of permits.
 pub(crate) static SHARE_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
+    script(concat!(
+        include_str!("scripts/clock.lua"),
         include_str!("scripts/kind.lua"),
+        include_str!("scripts/held_by.lua"),
         include_str!("scripts/share_acquire.lua")
     ))
 });
 
 /// Give back one hold of a share: 1 released, 0 not held.
 pub(crate) static SHARE_RELEASE: Published = published!(
+    include_str!("scripts/clock.lua"),
     include_str!("scripts/kind.lua"),
     include_str!("scripts/share_release.lua")
 );
 
 /// Take a set of exclusive locks, all or none: `{1, fence…}` or `{0, index, pttl}`.
 pub(crate) static MULTI_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
+    script(concat!(
+        include_str!("scripts/clock.lua"),
         include_str!("scripts/kind.lua"),
         include_str!("scripts/multi_acquire.lua")
     ))
@@ -164,14 +194,27 @@ pub(crate) static MULTI_RELEASE: Published = published!(
 
 /// Remove a lock whatever holds it, reporting what it removed (the inspector's forced
 /// release; not loaded up front: it loads itself on first use).
-pub(crate) static FORCE_RELEASE: Published = published!(include_str!("scripts/force_release.lua"));
+pub(crate) static FORCE_RELEASE: Published = published!(
+    include_str!("scripts/clock.lua"),
+    include_str!("scripts/force_release.lua")
+);
+
+/// Whether a token holds its lock, a read share's or permit's lease included: 1 or 0.
+pub(crate) static HOLDS: LazyLock<Script> = LazyLock::new(|| {
+    script(concat!(
+        include_str!("scripts/clock.lua"),
+        include_str!("scripts/held_by.lua"),
+        include_str!("scripts/holds.lua")
+    ))
+});
 
 /// Run a caller's commands only while its locks are held (see `guarded.rs` for the call):
 /// `{1, replies}`, `{0, index}` not held, `{-1, state}` receipt already used.
 pub(crate) static GUARDED_WRITE: LazyLock<Script> = LazyLock::new(|| {
     // `#!lua`: the server refuses keys of other slots (the caller's keys are declared).
-    Script::new(concat!(
+    script(concat!(
         "#!lua\n",
+        include_str!("scripts/clock.lua"),
         include_str!("scripts/held_by.lua"),
         include_str!("scripts/guarded_write.lua")
     ))
@@ -179,8 +222,9 @@ pub(crate) static GUARDED_WRITE: LazyLock<Script> = LazyLock::new(|| {
 
 /// Every script a deployment that publishes as `wakes` says runs, for loading them all when
 /// a manager connects.
-pub(crate) fn all(wakes: Wakes) -> [&'static Script; 14] {
+pub(crate) fn all(wakes: Wakes) -> [&'static Script; 15] {
     [
+        &HOLDS,
         &GUARDED_WRITE,
         UNLOCK.get(wakes),
         WITHDRAW_INTENT.get(wakes),
@@ -274,7 +318,6 @@ impl WriteAcquire<'_> {
 /// A call of `share_acquire.lua`: a read share, or a permit of `permits`.
 pub(crate) struct ShareAcquire<'a> {
     pub(crate) lock: &'a str,
-    pub(crate) share: &'a str,
     pub(crate) intent: &'a str,
     pub(crate) fence: &'a str,
     pub(crate) token: &'a str,
@@ -287,8 +330,7 @@ pub(crate) struct ShareAcquire<'a> {
 impl ShareAcquire<'_> {
     pub(crate) fn call(&self) -> ScriptInvocation<'static> {
         let mut call = SHARE_ACQUIRE.key(self.lock);
-        call.key(self.share)
-            .key(self.intent)
+        call.key(self.intent)
             .key(self.fence)
             .arg(self.token)
             .arg(millis(self.lease))
@@ -326,7 +368,6 @@ impl Release<'_> {
 /// A call of `share_release.lua`.
 pub(crate) struct ShareRelease<'a> {
     pub(crate) lock: &'a str,
-    pub(crate) share: &'a str,
     pub(crate) wake: &'a str,
     pub(crate) token: &'a str,
     pub(crate) hold: &'a str,
@@ -335,10 +376,7 @@ pub(crate) struct ShareRelease<'a> {
 impl ShareRelease<'_> {
     pub(crate) fn call(&self, wakes: Wakes) -> ScriptInvocation<'static> {
         let mut call = SHARE_RELEASE.get(wakes).key(self.lock);
-        call.key(self.share)
-            .key(self.wake)
-            .arg(self.token)
-            .arg(self.hold);
+        call.key(self.wake).arg(self.token).arg(self.hold);
         call
     }
 }
@@ -442,10 +480,9 @@ impl HandOff<'_> {
     }
 }
 
-/// A call of `extend.lua`: the lease of a lock (and of a share, for shares).
+/// A call of `extend.lua`: the lease of a lock (and of the token's share, for shares).
 pub(crate) struct Extend<'a> {
     pub(crate) lock: &'a str,
-    pub(crate) share: Option<&'a str>,
     pub(crate) token: &'a str,
     pub(crate) lease: Duration,
 }
@@ -453,26 +490,27 @@ pub(crate) struct Extend<'a> {
 impl Extend<'_> {
     pub(crate) fn call(&self) -> ScriptInvocation<'static> {
         let mut call = EXTEND.key(self.lock);
-        if let Some(share) = self.share {
-            call.key(share);
-        }
         call.arg(self.token).arg(millis(self.lease));
         call
     }
 }
 
-/// A call of `renew.lua`: a batch of `(lock, share, token, lease)` (the share is the lock
-/// itself for a whole-lock hold).
+/// A call of `renew.lua`: a batch of `(lock, token, lease)` (a share's lease is renewed
+/// with its lock).
 pub(crate) fn renew<'a>(
-    items: impl IntoIterator<Item = (&'a str, Option<&'a str>, &'a str, Duration)>,
+    items: impl IntoIterator<Item = (&'a str, &'a str, Duration)>,
 ) -> ScriptInvocation<'static> {
     let mut call = RENEW.prepare_invoke();
-    for (lock, share, token, lease) in items {
-        call.key(lock)
-            .key(share.unwrap_or(lock))
-            .arg(token)
-            .arg(millis(lease));
+    for (lock, token, lease) in items {
+        call.key(lock).arg(token).arg(millis(lease));
     }
+    call
+}
+
+/// A call of `holds.lua`: whether `token` holds `lock` (a share: whether its lease lives).
+pub(crate) fn holds(lock: &str, token: &str) -> ScriptInvocation<'static> {
+    let mut call = HOLDS.key(lock);
+    call.arg(token);
     call
 }
 
@@ -763,7 +801,6 @@ mod tests {
 
         let stranger: i64 = Extend {
             lock,
-            share: None,
             token: "b",
             lease: Duration::from_millis(60_000),
         }
@@ -776,7 +813,6 @@ mod tests {
         assert!(pttl <= 1_000, "a stranger's extend changed nothing");
         let owner: i64 = Extend {
             lock,
-            share: None,
             token: "a",
             lease: Duration::from_millis(60_000),
         }
@@ -789,7 +825,6 @@ mod tests {
         assert!(pttl > 50_000);
         let shorter: i64 = Extend {
             lock,
-            share: None,
             token: "a",
             lease: Duration::from_millis(1_000),
         }
@@ -815,9 +850,9 @@ mod tests {
         acquire(&mut conn, "l{r2}", "b", "b", false, false).await;
         let minute = Duration::from_secs(60);
         let call = renew([
-            ("l{r1}", None, "a", minute),
-            ("l{r2}", None, "not-b", minute),
-            ("l{r3}", None, "c", minute),
+            ("l{r1}", "a", minute),
+            ("l{r2}", "not-b", minute),
+            ("l{r3}", "c", minute),
         ]);
         let renewed: Vec<i64> = call.invoke_async(&mut conn).await.unwrap();
         assert_eq!(renewed, vec![1, 0, 0]);
@@ -994,5 +1029,154 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(release(&mut conn, "l{flush}", "a", "a").await, 0);
+    }
+}
+
+/// Every script reads and writes only the keys it is given: Redis routes a script, moves a
+/// slot key by key and guarantees atomicity by its declared KEYS, and some compatible
+/// servers refuse any other key. Checked on the sources, without a server.
+#[cfg(test)]
+mod declared_keys {
+    /// Every `.lua` file, shared fragments included.
+    const SOURCES: &[(&str, &str)] = &[
+        ("acquire", include_str!("scripts/acquire.lua")),
+        ("clock", include_str!("scripts/clock.lua")),
+        ("extend", include_str!("scripts/extend.lua")),
+        ("fair", include_str!("scripts/fair.lua")),
+        ("force_release", include_str!("scripts/force_release.lua")),
+        ("guarded_write", include_str!("scripts/guarded_write.lua")),
+        ("handoff", include_str!("scripts/handoff.lua")),
+        ("held_by", include_str!("scripts/held_by.lua")),
+        ("holds", include_str!("scripts/holds.lua")),
+        ("kind", include_str!("scripts/kind.lua")),
+        ("multi_acquire", include_str!("scripts/multi_acquire.lua")),
+        ("multi_release", include_str!("scripts/multi_release.lua")),
+        ("release", include_str!("scripts/release.lua")),
+        ("release_hold", include_str!("scripts/release_hold.lua")),
+        ("renew", include_str!("scripts/renew.lua")),
+        ("share_acquire", include_str!("scripts/share_acquire.lua")),
+        ("share_release", include_str!("scripts/share_release.lua")),
+        ("unlock", include_str!("scripts/unlock.lua")),
+        (
+            "withdraw_intent",
+            include_str!("scripts/withdraw_intent.lua"),
+        ),
+        ("write_acquire", include_str!("scripts/write_acquire.lua")),
+    ];
+
+    /// The commands the scripts send that take no key, and those whose every argument is a
+    /// key.
+    const KEYLESS: &[&str] = &["time"];
+    const ALL_KEYS: &[&str] = &["del", "exists"];
+
+    /// The code of `source` without its comments (every `--` to the end of its line; no
+    /// script has `--` inside a string).
+    fn code(source: &str) -> String {
+        source
+            .lines()
+            .map(|line| line.split("--").next().unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The arguments of every `redis.call(…)` and `redis.pcall(…)` of `code`, split at the
+    /// top-level commas.
+    fn calls(code: &str) -> Vec<Vec<String>> {
+        let mut found = Vec::new();
+        for (at, _) in code.match_indices("redis.") {
+            let rest = &code[at + "redis.".len()..];
+            let Some(rest) = rest
+                .strip_prefix("call(")
+                .or_else(|| rest.strip_prefix("pcall("))
+            else {
+                continue;
+            };
+            let (mut depth, mut args, mut arg) = (0, Vec::new(), String::new());
+            for c in rest.chars() {
+                match c {
+                    '(' | '[' | '{' => depth += 1,
+                    ')' if depth == 0 => break,
+                    ')' | ']' | '}' => depth -= 1,
+                    ',' if depth == 0 => {
+                        args.push(std::mem::take(&mut arg).trim().to_owned());
+                        continue;
+                    }
+                    _ => {}
+                }
+                arg.push(c);
+            }
+            args.push(arg.trim().to_owned());
+            found.push(args);
+        }
+        found
+    }
+
+    /// Whether `arg` names a key without building one: `KEYS[…]`, or a plain name (a local
+    /// or a parameter holding a declared key).
+    fn names_a_declared_key(arg: &str) -> bool {
+        let plain = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_alphanumeric() || c == '_');
+        plain(arg)
+            || arg
+                .strip_prefix("KEYS[")
+                .and_then(|rest| rest.strip_suffix(']'))
+                .is_some_and(|index| !index.contains(".."))
+    }
+
+    #[test]
+    fn no_script_builds_a_key_name() {
+        let mut checked = 0;
+        for (name, source) in SOURCES {
+            let code = code(source);
+            // A companion key is `<lock>:suffix`: no script appends a suffix to anything.
+            for quote in ['\'', '"'] {
+                let suffix = format!("..{quote}:");
+                let squeezed: String = code.chars().filter(|c| !c.is_whitespace()).collect();
+                assert!(!squeezed.contains(&suffix), "{name}.lua builds a key name");
+            }
+            for args in calls(&code) {
+                let command = args[0].trim_matches('\'');
+                if args[0].starts_with("unpack(") {
+                    // guarded_write.lua's own commands: their keys are KEYS, in order.
+                    assert_eq!(*name, "guarded_write");
+                    continue;
+                }
+                // `publish` names the command the deployment publishes with (`published!`).
+                assert!(
+                    args[0].starts_with('\'') || args[0] == "publish",
+                    "{name}.lua: {args:?}"
+                );
+                if KEYLESS.contains(&command) {
+                    continue;
+                }
+                let keys = if ALL_KEYS.contains(&command) {
+                    &args[1..]
+                } else {
+                    &args[1..2]
+                };
+                for key in keys {
+                    assert!(
+                        names_a_declared_key(key),
+                        "{name}.lua: `{command}` on `{key}`, not a declared key"
+                    );
+                }
+                checked += 1;
+            }
+        }
+        assert!(
+            checked > 100,
+            "only {checked} calls found: the parser lost its way"
+        );
+    }
+
+    #[test]
+    fn the_check_finds_a_built_key() {
+        let built = code("redis.call('exists', lock .. ':s:' .. field)");
+        let args = &calls(&built)[0];
+        assert!(!names_a_declared_key(&args[1]), "{args:?}");
+        let declared =
+            code("redis.call('hget', KEYS[2 * i - 1], 'mode') -- a comment, lock .. ':x'");
+        let args = &calls(&declared)[0];
+        assert_eq!(args.len(), 3);
+        assert!(names_a_declared_key(&args[1]), "{args:?}");
     }
 }

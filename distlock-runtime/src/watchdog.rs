@@ -598,7 +598,6 @@ async fn renew_batch(shared: &Renewals, backend: &Backend, batch: &[Due]) {
             .flat_map(|(d, holds)| {
                 holds.iter().map(|hold| Renewal {
                     lock: &hold.lock,
-                    share: hold.share.as_deref(),
                     token: &hold.token,
                     lease: d.ttl,
                 })

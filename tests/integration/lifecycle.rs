@@ -52,23 +52,20 @@ async fn poll_once_then_drop<F: Future>(future: F) -> bool {
 // ---------------------------------------------------------------------------------------
 // extend never shortens a lease
 
-/// The key whose expiry bounds `guard`'s lease: the share's lease key for read locks and
-/// permits, the lock itself otherwise.
-fn lease_keys(locks: &LockManager, guard: &LockGuard, shared: bool) -> Vec<String> {
-    let lock = locks.redis_key(guard.key());
-    if shared {
-        vec![format!("{lock}:s:{}", guard.token()), lock]
-    } else {
-        vec![lock]
-    }
-}
-
+/// `guard`'s `remaining()` never promises more than the server's lease: the lock key's, and
+/// for read locks and permits (`shared`) also the share's own, in the lock's hash.
 async fn assert_remaining_within_pttl(locks: &LockManager, guard: &LockGuard, shared: bool) {
     let mut conn = raw(&shared_server()).await;
     // `remaining()` first: the server's lease can only have shrunk since.
     let remaining = guard.remaining();
-    for key in lease_keys(locks, guard, shared) {
-        let pttl: i64 = conn.pttl(&key).await.unwrap();
+    let lock = locks.redis_key(guard.key());
+    let mut probes = vec![(lock.clone(), redis::cmd("PTTL").arg(&lock).to_owned())];
+    if shared {
+        let share = format!("{lock}'s share of {}", guard.token());
+        probes.push((share, crate::support::lease_left(&lock, guard.token())));
+    }
+    for (key, probe) in probes {
+        let pttl: i64 = probe.query_async(&mut conn).await.unwrap();
         assert!(pttl > 0, "`{key}` has no lease left ({pttl})");
         let pttl = Duration::from_millis(u64::try_from(pttl).unwrap());
         assert!(

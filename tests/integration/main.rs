@@ -41,6 +41,7 @@ mod leases;
 mod lifecycle;
 mod liveness;
 mod metrics;
+mod migration;
 mod multikey;
 mod nesting;
 mod partitions;

@@ -61,6 +61,32 @@ pub async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
         .unwrap()
 }
 
+/// The command that answers, as `PTTL` does (ms; -2: gone), what is left of the lease of
+/// `token`'s hold on the lock key `lock`: a read share or permit keeps its own lease in the
+/// lock's hash (the field `s:<token>`, the server time it ends at), bounded by the key's
+/// lease; any other hold has the key's lease.
+pub fn lease_left(lock: &str, token: &str) -> redis::Cmd {
+    const SCRIPT: &str = r"
+        local pttl = redis.call('pttl', KEYS[1])
+        local ends = redis.pcall('hget', KEYS[1], 's:' .. ARGV[1])
+        if type(ends) ~= 'string' then
+          return pttl
+        end
+        local t = redis.call('time')
+        local left = tonumber(ends) - (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+        if left <= 0 then
+          return -2
+        end
+        return math.min(left, pttl)
+    ";
+    redis::cmd("EVAL")
+        .arg(SCRIPT)
+        .arg(1)
+        .arg(lock)
+        .arg(token)
+        .to_owned()
+}
+
 /// What a contended run saw.
 pub struct Contention {
     /// Entries into the critical section.

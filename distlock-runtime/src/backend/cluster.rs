@@ -114,7 +114,16 @@ impl Lanes {
             Some(slot) => {
                 self.last_slot = Some(slot);
                 let mut conn = self.lane(slot);
-                redis::aio::ConnectionLike::req_packed_command(&mut conn, cmd).await
+                let answer = redis::aio::ConnectionLike::req_packed_command(&mut conn, cmd).await;
+                match (answer, eval_of(cmd)) {
+                    // The node this reached does not know the script (a master promoted or a
+                    // slot moved since it was loaded): its text, to the same node by the same
+                    // key. A `SCRIPT LOAD` without a key could reach another node.
+                    (Err(error), Some(eval)) if error.kind() == NO_SCRIPT => {
+                        redis::aio::ConnectionLike::req_packed_command(&mut conn, &eval).await
+                    }
+                    (answer, _) => answer,
+                }
             }
             None => match self.last_slot {
                 Some(slot) => {
@@ -183,6 +192,25 @@ pub(super) fn slot_ranges(slots: &Value) -> Vec<(u16, u16, String)> {
 
 /// The slot of the key `cmd` acts on: its first argument, or for a script call
 /// (`EVALSHA`, `EVAL`, `FCALL`) its first declared key; `None` without a key.
+const NO_SCRIPT: redis::ErrorKind = redis::ErrorKind::Server(redis::ServerErrorKind::NoScript);
+
+/// `cmd`, an `EVALSHA` of a script this process made, as the `EVAL` of its text.
+fn eval_of(cmd: &Cmd) -> Option<Cmd> {
+    let mut args = cmd.args_iter().map(|arg| match arg {
+        redis::Arg::Simple(bytes) => bytes,
+        _ => &[][..],
+    });
+    if !args.next()?.eq_ignore_ascii_case(b"EVALSHA") {
+        return None;
+    }
+    let mut eval = redis::cmd("EVAL");
+    eval.arg(crate::scripts::source_of(args.next()?)?);
+    for arg in args {
+        eval.arg(arg);
+    }
+    Some(eval)
+}
+
 fn key_slot(cmd: &Cmd) -> Option<u16> {
     let args: Vec<&[u8]> = cmd
         .args_iter()

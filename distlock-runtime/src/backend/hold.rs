@@ -37,8 +37,8 @@ pub(crate) struct HoldIds {
     pub(crate) wake: String,
     /// The owner token, which also names its hold in the scripts' hold counts.
     pub(crate) token: String,
-    /// The share's lease key, for read locks and permits.
-    pub(crate) share: Option<String>,
+    /// A read share or a permit: its lease is a field of the lock's hash (see `kind.lua`).
+    pub(crate) shared: bool,
     /// The string form of a plain exclusive lock (value = token), not a hash.
     pub(crate) plain: bool,
     /// A fair lock's queue, whose head a release grants the lock to.
@@ -103,8 +103,8 @@ pub(crate) const FAIR_REFRESH: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct HoldRef<'a> {
     pub(crate) lock: &'a str,
-    /// The share's lease key, for read locks and permits.
-    pub(crate) share: Option<&'a str>,
+    /// A read share or a permit, whose own lease is checked too.
+    pub(crate) shared: bool,
     /// The owner token.
     pub(crate) token: &'a str,
 }
@@ -113,7 +113,6 @@ pub(crate) struct HoldRef<'a> {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Renewal<'a> {
     pub(crate) lock: &'a str,
-    pub(crate) share: Option<&'a str>,
     pub(crate) token: &'a str,
     pub(crate) lease: Duration,
 }
@@ -135,7 +134,6 @@ pub(crate) enum Shape {
         intent_lease: Duration,
     },
     Share {
-        share: String,
         intent: String,
         permits: Option<u32>,
     },
@@ -162,16 +160,16 @@ impl AcquireRequest {
     /// The same, taking the request's own strings: what a granted request becomes.
     pub(crate) fn into_hold_ids(self) -> HoldIds {
         let plain = matches!(self.shape, Shape::Plain | Shape::Fair { .. });
-        let (share, fair) = match self.shape {
-            Shape::Share { share, .. } => (Some(share), None),
-            Shape::Fair { queue, .. } => (None, Some(queue)),
-            Shape::Plain | Shape::Exclusive | Shape::Write { .. } => (None, None),
+        let shared = matches!(self.shape, Shape::Share { .. });
+        let fair = match self.shape {
+            Shape::Fair { queue, .. } => Some(queue),
+            _ => None,
         };
         HoldIds {
             lock: self.lock,
             wake: self.wake,
             token: self.token,
-            share,
+            shared,
             plain,
             fair,
             late_until: None,
@@ -219,7 +217,6 @@ impl AcquireCall<'_> {
                 Ok(Some(value)) if value == token => {
                     let extend = scripts::Extend {
                         lock: &req.lock,
-                        share: None,
                         token: &req.token,
                         lease: req.lease,
                     };

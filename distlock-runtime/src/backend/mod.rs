@@ -234,11 +234,15 @@ impl Backend {
     pub(crate) async fn extend(
         &self,
         lock: &str,
-        share: Option<&str>,
+        shared: bool,
         token: &str,
         lease: Duration,
     ) -> RedisResult<bool> {
-        let hold = HoldRef { lock, share, token };
+        let hold = HoldRef {
+            lock,
+            shared,
+            token,
+        };
         each!(self,
             node => node.extend(hold, lease).await,
             masters => masters.extend(hold, lease).await)
@@ -254,13 +258,12 @@ impl Backend {
     }
 
     /// Whether the token holds the lock (on a majority).
-    pub(crate) async fn holds(
-        &self,
-        lock: &str,
-        share: Option<&str>,
-        token: &str,
-    ) -> RedisResult<bool> {
-        let hold = HoldRef { lock, share, token };
+    pub(crate) async fn holds(&self, lock: &str, shared: bool, token: &str) -> RedisResult<bool> {
+        let hold = HoldRef {
+            lock,
+            shared,
+            token,
+        };
         each!(self,
             node => node.holds(hold).await,
             masters => masters.holds(hold).await)

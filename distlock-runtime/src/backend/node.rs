@@ -430,14 +430,9 @@ impl Node {
                 }
                 .call(),
             ),
-            Shape::Share {
-                share,
-                intent,
-                permits,
-            } => AcquireCall::Script(
+            Shape::Share { intent, permits } => AcquireCall::Script(
                 scripts::ShareAcquire {
                     lock: &req.lock,
-                    share,
                     intent,
                     fence: &fence(),
                     token: &req.token,
@@ -580,7 +575,7 @@ impl Node {
             lock,
             wake,
             token,
-            share,
+            shared,
             plain,
             fair,
             ..
@@ -592,16 +587,15 @@ impl Node {
         if *plain {
             return Ok(self.unlock(&mut conn, ids, keep).await?.is_some());
         }
-        let call = match share {
-            Some(share) => scripts::ShareRelease {
+        let call = match shared {
+            true => scripts::ShareRelease {
                 lock,
-                share,
                 wake,
                 token,
                 hold: token,
             }
             .call(self.wakes()),
-            None => scripts::Release {
+            false => scripts::Release {
                 lock,
                 wake,
                 token,
@@ -779,13 +773,12 @@ impl Node {
         }
     }
 
-    /// Sets the lease of the lock of `hold` (and of the share, for shares) if its token owns
-    /// it; `false` when it did not.
+    /// Sets the lease of the lock of `hold` (and of the token's share, for shares) if its
+    /// token owns it; `false` when it did not.
     pub(crate) async fn extend(&self, hold: HoldRef<'_>, lease: Duration) -> RedisResult<bool> {
         let mut conn = self.conn().await?;
         let call = scripts::Extend {
             lock: hold.lock,
-            share: hold.share,
             token: hold.token,
             lease,
         }
@@ -794,7 +787,7 @@ impl Node {
         Ok(extended == 1)
     }
 
-    /// Renews every `(lock, share, token, lease)` still held by its token, in one round trip
+    /// Renews every `(lock, token, lease)` still held by its token, in one round trip
     /// (on Cluster, one per hash slot, all at once). `None` for the items of a slot whose
     /// call failed while others answered (see [`Route::per_slot_each`]).
     pub(crate) async fn renew(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<Option<bool>>> {
@@ -809,11 +802,7 @@ impl Node {
     /// Renews leases that all live in one hash slot (any leases, off Cluster) in one call.
     async fn renew_together(&self, items: &[Renewal<'_>]) -> RedisResult<Vec<bool>> {
         let mut conn = self.conn().await?;
-        let call = scripts::renew(
-            items
-                .iter()
-                .map(|item| (item.lock, item.share, item.token, item.lease)),
-        );
+        let call = scripts::renew(items.iter().map(|item| (item.lock, item.token, item.lease)));
         let renewed: Vec<i64> = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
         Ok(renewed.into_iter().map(|r| r == 1).collect())
     }
@@ -831,17 +820,23 @@ impl Node {
     }
 
     /// Whether the token of `hold` still owns its lock (for a share: whether the share's
-    /// lease lives).
+    /// lease lives, which only a script can compare with the server's clock).
     pub(crate) async fn holds(&self, hold: HoldRef<'_>) -> RedisResult<bool> {
-        let HoldRef { lock, share, token } = hold;
+        let HoldRef {
+            lock,
+            shared,
+            token,
+        } = hold;
         let mut conn = self.conn().await?;
-        let cmd = match share {
-            Some(share) => redis::cmd("EXISTS").arg(share).to_owned(),
-            None => redis::cmd("HEXISTS").arg(lock).arg(token).to_owned(),
-        };
+        if shared {
+            let call = scripts::holds(lock, token);
+            let held: i64 = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
+            return Ok(held == 1);
+        }
+        let cmd = redis::cmd("HEXISTS").arg(lock).arg(token).to_owned();
         match self.bounded(cmd.query_async(&mut conn)).await {
             // Not a hash: the string form of a plain lock, held when its value is the token.
-            Err(error) if share.is_none() && error.code() == Some("WRONGTYPE") => {
+            Err(error) if error.code() == Some("WRONGTYPE") => {
                 let get = redis::cmd("GET").arg(lock).to_owned();
                 match self
                     .bounded(get.query_async::<Option<String>>(&mut conn))

@@ -2,8 +2,8 @@
 -- owns it. A longer lease already set is kept: extending never shortens a lease, so the
 -- client's own deadline never runs past the server's.
 --
--- KEYS[1]  the lock: a hash, or the string form of a plain exclusive lock (value = token)
--- KEYS[2]  (shares only) the share's lease key
+-- KEYS[1]  the lock: a hash, or the string form of a plain exclusive lock (value = token);
+--          a read share's or permit's lease is the lock hash's field "s:<token>"
 -- ARGV[1]  owner token
 -- ARGV[2]  lease in milliseconds, counted from now
 --
@@ -14,17 +14,6 @@ local lock, token, lease = KEYS[1], ARGV[1], tonumber(ARGV[2])
 if not held_by(lock, token) then
   return 0
 end
-if KEYS[2] then
-  local left = redis.call('pttl', KEYS[2])
-  if left == -2 then
-    return 0
-  end
-  if left < lease then
-    redis.call('pexpire', KEYS[2], lease)
-  end
-end
--- The lock lives as long as its longest share.
-if redis.call('pttl', lock) < lease then
-  redis.call('pexpire', lock, lease)
-end
+-- A share's own lease, and the lock, which lives as long as its longest share.
+lengthen_hold(lock, token, lease)
 return 1

@@ -13,9 +13,11 @@
 --
 -- Returns {form, pttl, counter, fields, shares, removed}: the key's type ("none": nothing
 -- was there), its PTTL, the fencing counter (false when never drawn or not a string), the
--- string's value or the hash's fields and values in turn, for every field that has a live
--- share its token, the share's PTTL and the share's value, and 1 when the lock was removed
--- (0: it was not there, or its holders were not the expected ones).
+-- string's value or the hash's fields and values in turn, for every live share (its lease
+-- field "s:<token>" ends in the future, see kind.lua) its token, the milliseconds left of its
+-- lease and its fencing token (false without one), and 1 when the lock was removed (0: it
+-- was not there, or its holders were not the expected ones). Every share lives in the lock's
+-- hash, so removing the lock removes them all.
 
 local lock, fence, timer, intent, wake = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 
@@ -40,20 +42,25 @@ if form == 'string' then
   fields = {value}
   holders[value] = true
 elseif form == 'hash' then
-  local mode = redis.call('hget', lock, 'mode')
-  local shared = mode == 'read' or mode == 'permits'
-  for _, field in ipairs(redis.call('hkeys', lock)) do
-    table.insert(fields, field)
-    table.insert(fields, redis.call('hget', lock, field))
+  fields = redis.call('hgetall', lock)
+  local values = {}
+  for at = 1, #fields, 2 do
+    values[fields[at]] = fields[at + 1]
+  end
+  local shared = values['mode'] == 'read' or values['mode'] == 'permits'
+  local now = server_now()
+  for at = 1, #fields, 2 do
+    local field = fields[at]
+    local prefix = string.sub(field, 1, 2)
     if field ~= 'mode' and field ~= 'permits' and field ~= 'fence' and field ~= 'min_hold'
-        and string.sub(field, 1, 2) ~= 'h:' then
-      local left = redis.call('pttl', lock .. ':s:' .. field)
-      if left ~= -2 then
+        and prefix ~= 'h:' and prefix ~= 's:' and prefix ~= 'f:' then
+      local ends = tonumber(values['s:' .. field] or '')
+      if ends and ends > now then
         table.insert(shares, field)
-        table.insert(shares, left)
-        table.insert(shares, text(redis.pcall('get', lock .. ':s:' .. field)))
+        table.insert(shares, ends - now)
+        table.insert(shares, text(values['f:' .. field]))
       end
-      if left ~= -2 or not shared then
+      if (ends and ends > now) or not shared then
         holders[field] = true
       end
     end
@@ -77,9 +84,6 @@ if ARGV[1] == '1' then
   end
 end
 
-for at = 1, #shares, 3 do
-  redis.call('del', lock .. ':s:' .. shares[at])
-end
 redis.call('del', lock, timer, intent)
 redis.call(publish, wake, '')
 return {form, pttl, counter, fields, shares, 1}

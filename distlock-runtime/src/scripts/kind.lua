@@ -16,19 +16,47 @@ local function kind_of(key)
   return redis.call('hget', key, 'mode') or 'exclusive'
 end
 
--- The live shares of a read or permits lock. The field of a share whose own lease key has
--- ended is removed (that holder is gone); nothing else is touched.
-local function live_shares(lock)
-  local live = 0
-  for _, field in ipairs(redis.call('hkeys', lock)) do
-    if field ~= 'mode' and field ~= 'permits' and string.sub(field, 1, 2) ~= 'h:' then
-      if redis.call('exists', lock .. ':s:' .. field) == 1 then
+-- A read or permits lock keeps every share in its own hash: "<token>" -> the share's hold
+-- count, "s:<token>" -> the server time (ms, see clock.lua) its lease ends at, "f:<token>" ->
+-- its fencing token (when one was drawn), "h:<token>" -> its first-hold marker once holds
+-- nest. A share whose end has passed is gone (that holder died or stopped renewing), whatever
+-- the other shares' leases; the lock key itself lives at least as long as its last share.
+-- Nothing here touches a key other than the lock: a slot migration moves a lock and all its
+-- shares together.
+
+-- Removes the fields of `token`'s share (not the markers of its nested holds, which name
+-- other hold ids and go with the lock).
+local function drop_share(lock, token)
+  redis.call('hdel', lock, token, 's:' .. token, 'f:' .. token, 'h:' .. token)
+end
+
+-- The live shares of a read or permits lock, and how long until the first of them ends
+-- (nil when none is live). The fields of a share whose lease has ended are removed; nothing
+-- else is touched.
+local function scan_shares(lock)
+  local now = server_now()
+  local live, soonest = 0, nil
+  local fields = redis.call('hgetall', lock)
+  for at = 1, #fields, 2 do
+    local field = fields[at]
+    if string.sub(field, 1, 2) == 's:' then
+      local left = (tonumber(fields[at + 1]) or 0) - now
+      if left > 0 then
         live = live + 1
+        if not soonest or left < soonest then
+          soonest = left
+        end
       else
-        redis.call('hdel', lock, field)
+        drop_share(lock, string.sub(field, 3))
       end
     end
   end
+  return live, soonest
+end
+
+-- The number of live shares of a read or permits lock (dead ones are removed).
+local function live_shares(lock)
+  local live = scan_shares(lock)
   return live
 end
 
@@ -49,16 +77,8 @@ end
 -- own lease ends. The same answer as PTTL: -1 without expiry, -2 when the key is gone.
 local function busy_for(lock, kind)
   if kind == 'read' or kind == 'permits' then
-    local soonest = -1
-    for _, field in ipairs(redis.call('hkeys', lock)) do
-      if field ~= 'mode' and field ~= 'permits' and string.sub(field, 1, 2) ~= 'h:' then
-        local left = redis.call('pttl', lock .. ':s:' .. field)
-        if left >= 0 and (soonest < 0 or left < soonest) then
-          soonest = left
-        end
-      end
-    end
-    if soonest >= 0 then
+    local _, soonest = scan_shares(lock)
+    if soonest then
       return soonest
     end
   end

@@ -1,11 +1,11 @@
 -- Take a share of a lock: a read lock (many readers) or a semaphore permit (at most N).
 --
 -- KEYS[1]  the lock: a hash {"mode" -> "read" | "permits", "permits" -> N (semaphores),
---          owner token -> hold count, "h:<hold id>" -> 1 for nested holds}
--- KEYS[2]  this share's lease key (same hash tag, named <lock>:s:<token>); its value is the
---          share's fencing token
--- KEYS[3]  the lock's write intent (same hash tag): set while a writer waits
--- KEYS[4]  the lock's fencing counter (same hash tag; touched only when ARGV[5] == "1")
+--          and per share (see kind.lua) owner token -> hold count, "s:<token>" -> the
+--          server time its lease ends at, "f:<token>" -> its fencing token, "h:<hold id>" ->
+--          1 for nested holds}
+-- KEYS[2]  the lock's write intent (same hash tag): set while a writer waits
+-- KEYS[3]  the lock's fencing counter (same hash tag; touched only when ARGV[5] == "1")
 -- ARGV[1]  owner token
 -- ARGV[2]  lease in milliseconds
 -- ARGV[3]  hold id (equal to the token for a first hold)
@@ -15,11 +15,11 @@
 -- Returns {1, fence} when the share is held, {0, pttl} when it is not available (held by
 -- another kind, the min_hold marker, a waiting writer, or N permit holders), and {-1, N}
 -- when the semaphore is in use with N permits and ARGV[4] asks for another number.
--- A share's lease is its own key: a reader or permit holder that dies frees its share when
--- its own lease ends, whatever the other holders' leases. Shares whose lease key is gone are
--- pruned here before counting.
+-- Each share has a lease of its own: a reader or permit holder that dies frees its share
+-- when its own lease ends, whatever the other holders' leases. Shares whose lease has ended
+-- are pruned here before counting.
 
-local lock, share, intent = KEYS[1], KEYS[2], KEYS[3]
+local lock, intent = KEYS[1], KEYS[2]
 local token, lease, hold = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local mode = ARGV[4] == 'read' and 'read' or 'permits'
 local limit = tonumber(ARGV[4]) or 0
@@ -32,24 +32,18 @@ if current ~= nil and current ~= mode then
   current = nil
 end
 
-local function lengthen(key)
-  if redis.call('pttl', key) < lease then
-    redis.call('pexpire', key, lease)
-  end
-end
-
--- A resent request, or a nested hold of a share this owner already has.
-if current and redis.call('hexists', lock, token) == 1 and redis.call('exists', share) == 1 then
+-- A resent request, or a nested hold of a share this owner already has (and whose lease
+-- has not ended).
+if current and held_by(lock, token) then
   if hold ~= token and redis.call('hsetnx', lock, 'h:' .. hold, 1) == 1 then
     -- Nesting starts: from now on every hold has a marker, the first one included.
     if redis.call('hincrby', lock, token, 1) == 2 then
       -- Once given back, the first hold's marker stays at 0 (see release.lua).
-    redis.call('hsetnx', lock, 'h:' .. token, 1)
+      redis.call('hsetnx', lock, 'h:' .. token, 1)
     end
   end
-  lengthen(share)
-  lengthen(lock)
-  return {1, tonumber(redis.call('get', share))}
+  lengthen_hold(lock, token, lease)
+  return {1, tonumber(redis.call('hget', lock, 'f:' .. token) or '0')}
 end
 
 if mode == 'read' and redis.call('exists', intent) == 1 then
@@ -73,15 +67,27 @@ end
 
 local fence = 0
 if ARGV[5] == '1' then
-  fence = redis.call('incr', KEYS[4])
+  fence = redis.call('incr', KEYS[3])
 end
 if current then
-  redis.call('hset', lock, token, 1)
-elseif mode == 'permits' then
-  redis.call('hset', lock, 'mode', mode, 'permits', limit, token, 1)
-else
-  redis.call('hset', lock, 'mode', mode, token, 1)
+  -- What an ended share of this token left is replaced, not added to.
+  drop_share(lock, token)
 end
-redis.call('set', share, fence, 'PX', lease)
-lengthen(lock)
+local fields = {token, 1, 's:' .. token, server_now() + lease}
+if fence ~= 0 then
+  table.insert(fields, 'f:' .. token)
+  table.insert(fields, fence)
+end
+if not current then
+  table.insert(fields, 'mode')
+  table.insert(fields, mode)
+  if mode == 'permits' then
+    table.insert(fields, 'permits')
+    table.insert(fields, limit)
+  end
+end
+redis.call('hset', lock, unpack(fields))
+if redis.call('pttl', lock) < lease then
+  redis.call('pexpire', lock, lease)
+end
 return {1, fence}

@@ -1,8 +1,7 @@
 -- Give back one hold of a share (read lock or semaphore permit).
 --
--- KEYS[1]  the lock hash
--- KEYS[2]  the share's lease key
--- KEYS[3]  the lock's wake channel
+-- KEYS[1]  the lock hash, whose fields hold every share (see kind.lua)
+-- KEYS[2]  the lock's wake channel
 -- ARGV[1]  owner token
 -- ARGV[2]  hold id
 --
@@ -11,9 +10,9 @@
 -- permits lock that has this token's field is touched: a lock of another kind, or the
 -- min_hold marker, is left alone.
 
-local lock, share, token, hold = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
+local lock, token, hold = KEYS[1], ARGV[1], ARGV[2]
 
-local fields = redis.pcall('hmget', lock, 'mode', token, 'h:' .. token)
+local fields = redis.pcall('hmget', lock, 'mode', token, 'h:' .. token, 's:' .. token)
 if fields['err'] or (fields[1] ~= 'read' and fields[1] ~= 'permits') then
   return 0
 end
@@ -21,9 +20,9 @@ local count = tonumber(fields[2] or '0')
 if count == 0 then
   return 0
 end
-if redis.call('exists', share) == 0 then
-  -- This share's lease ended: its field goes, as any dead share's would.
-  redis.call('hdel', lock, token, 'h:' .. token)
+if (tonumber(fields[4] or '') or 0) <= server_now() then
+  -- This share's lease ended: its fields go, as any dead share's would.
+  drop_share(lock, token)
   return 0
 end
 
@@ -44,12 +43,11 @@ if count > 1 or hold ~= token or first then
 end
 
 -- The last hold: the first hold's marker (if holds ever nested) goes with the count.
-redis.call('hdel', lock, token, 'h:' .. token)
-redis.call('del', share)
+drop_share(lock, token)
 
 -- The lock goes when its last live share does.
 if live_shares(lock) == 0 then
   redis.call('del', lock)
 end
-redis.call(publish, KEYS[3], '')
+redis.call(publish, KEYS[2], '')
 return 1

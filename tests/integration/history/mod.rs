@@ -123,13 +123,10 @@ impl Kind {
         )
     }
 
-    /// The key whose PTTL bounds this kind's lease: the lock, or the holder's share.
-    pub(super) fn lease_key(self, locks: &LockManager, key: &str, token: &str) -> String {
-        let lock = locks.redis_key(key);
-        match self {
-            Self::Exclusive | Self::Write => lock,
-            Self::Read | Self::Permit => format!("{lock}:s:{token}"),
-        }
+    /// The command that answers what is left of this kind's lease (as `PTTL` does): the
+    /// lock's, or, for shares, the holder's share's in the lock's hash.
+    pub(super) fn lease_left(self, locks: &LockManager, key: &str, token: &str) -> redis::Cmd {
+        support::lease_left(&locks.redis_key(key), token)
     }
 }
 

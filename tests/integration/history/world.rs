@@ -138,9 +138,9 @@ impl World {
         if guard.local_passes() > 0 && self.history.lock().robbed.contains_key(guard.token()) {
             return; // a robbed hold, passed on (see `History::enter`)
         }
-        let lease_key = kind.lease_key(locks, key, guard.token());
+        let lease_left = kind.lease_left(locks, key, guard.token());
         let what = format!("{key} as {kind:?}");
-        self.check_pttl(&what, &lease_key, || guard.remaining(), || guard.is_lost())
+        self.check_pttl(&what, &lease_left, || guard.remaining(), || guard.is_lost())
             .await;
     }
 
@@ -157,28 +157,26 @@ impl World {
         }
         for key in keys {
             let what = format!("{key} in the set {:?}", guard.keys());
-            let lease_key = Kind::Exclusive.lease_key(locks, key, guard.token());
-            self.check_pttl(&what, &lease_key, || guard.remaining(), || guard.is_lost())
+            let lease_left = Kind::Exclusive.lease_left(locks, key, guard.token());
+            self.check_pttl(&what, &lease_left, || guard.remaining(), || guard.is_lost())
                 .await;
         }
     }
 
-    /// What a guard says is `remaining` of its lease is no more than the PTTL of `lease_key`
-    /// (unless the lease is `lost` by the time the answer is in).
+    /// What a guard says is `remaining` of its lease is no more than what `lease_left`
+    /// answers (see `support::lease_left`; unless the lease is `lost` by the time the answer
+    /// is in).
     pub(super) async fn check_pttl(
         &self,
         what: &str,
-        lease_key: &str,
+        lease_left: &redis::Cmd,
         remaining: impl Fn() -> Duration,
         lost: impl Fn() -> bool,
     ) {
         let started = Instant::now();
         let remaining = remaining();
         let mut raw = self.raw.clone();
-        let pttl: Result<i64, _> = redis::cmd("PTTL")
-            .arg(lease_key)
-            .query_async(&mut raw)
-            .await;
+        let pttl: Result<i64, _> = lease_left.query_async(&mut raw).await;
         let Ok(pttl) = pttl else {
             return; // a fault: nothing to compare with
         };
