@@ -115,14 +115,21 @@ impl Lanes {
                 self.last_slot = Some(slot);
                 let mut conn = self.lane(slot);
                 let answer = redis::aio::ConnectionLike::req_packed_command(&mut conn, cmd).await;
-                match (answer, eval_of(cmd)) {
-                    // The node this reached does not know the script (a master promoted or a
-                    // slot moved since it was loaded): its text, to the same node by the same
-                    // key. A `SCRIPT LOAD` without a key could reach another node.
-                    (Err(error), Some(eval)) if error.kind() == NO_SCRIPT => {
+                // The node this reached does not know the script (a master promoted or a slot
+                // moved since it was loaded): its text, to the same node by the same key. The
+                // `SCRIPT LOAD` the client would send has no key, and could reach another node.
+                let unknown = match &answer {
+                    Err(error) => error.kind() == NO_SCRIPT,
+                    Ok(Value::ServerError(error)) => {
+                        error.kind() == Some(redis::ServerErrorKind::NoScript)
+                    }
+                    Ok(_) => false,
+                };
+                match eval_of(cmd).filter(|_| unknown) {
+                    Some(eval) => {
                         redis::aio::ConnectionLike::req_packed_command(&mut conn, &eval).await
                     }
-                    (answer, _) => answer,
+                    None => answer,
                 }
             }
             None => match self.last_slot {
