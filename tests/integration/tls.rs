@@ -223,11 +223,14 @@ async fn cluster_over_tls() {
     let nodes = RedisServer::start_cluster_tls(3, &certs).unwrap();
     let seeds: Vec<String> = nodes.iter().map(RedisServer::url).collect();
     assert!(seeds.iter().all(|s| s.starts_with("rediss://")));
+    // The generous timeouts of `builder`: six handshakes on a busy machine.
     let cluster = |ca: String| {
         support::quick(
             support::cluster(&nodes),
             &support::unique_prefix("tls-cluster"),
         )
+        .connect_timeout(Duration::from_secs(5))
+        .response_timeout(Duration::from_secs(5))
         .tls_ca_certificate(ca)
     };
     let locks = build(cluster(certs.ca_pem().unwrap()))
