@@ -224,8 +224,13 @@ async fn cluster_over_tls() {
     let seeds: Vec<String> = nodes.iter().map(RedisServer::url).collect();
     assert!(seeds.iter().all(|s| s.starts_with("rediss://")));
     let prefix = support::unique_prefix("tls-cluster");
-    let cluster =
-        |ca: String| support::quick(support::cluster(&nodes), &prefix).tls_ca_certificate(ca);
+    // The generous timeouts of `builder`: six handshakes on a busy machine.
+    let cluster = |ca: String| {
+        support::quick(support::cluster(&nodes), &prefix)
+            .connect_timeout(Duration::from_secs(5))
+            .response_timeout(Duration::from_secs(5))
+            .tls_ca_certificate(ca)
+    };
     let locks = build(cluster(certs.ca_pem().unwrap()))
         .await
         .expect("connects to the cluster over TLS");

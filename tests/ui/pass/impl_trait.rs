@@ -1,7 +1,7 @@
 //! `impl Trait` in arguments and inside the return type, and patterns in parameters.
 use std::fmt::Display;
 
-use distlock::{distributed_lock, LockError, LockManager};
+use distlock::{LockError, LockManager, distributed_lock};
 
 #[distributed_lock(key = "show:{name}", manager = locks)]
 pub async fn show(locks: &LockManager, name: impl Display) -> Result<impl Display, LockError> {

@@ -2,7 +2,7 @@
 //! a set, and the guard bound as `&MultiGuard`.
 use std::time::Duration;
 
-use distlock::{distributed_lock, LockError, LockManager, MultiGuard};
+use distlock::{LockError, LockManager, MultiGuard, distributed_lock};
 
 pub struct Account {
     pub id: u64,

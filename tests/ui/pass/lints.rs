@@ -1,7 +1,7 @@
 //! Annotated functions compile without warnings under strict lints.
 #![deny(warnings, unused, rust_2018_idioms, unreachable_code)]
 
-use distlock::{distributed_lock, LockError, LockGuard, LockManager};
+use distlock::{LockError, LockGuard, LockManager, distributed_lock};
 
 #[derive(Debug)]
 pub enum AppError {

@@ -2,7 +2,7 @@
 use std::fmt::Display;
 use std::sync::Arc;
 
-use distlock::{distributed_lock, LockError, LockManager};
+use distlock::{LockError, LockManager, distributed_lock};
 
 #[derive(Debug)]
 pub struct AppError;

@@ -23,7 +23,13 @@ impl ::std::convert::From<::distlock::LockError> for AppError {
 
 type Result<T> = ::std::result::Result<T, AppError>;
 
-#[::distlock::distributed_lock(key = "job:{id}", ttl = "10s", retries = 2, retry_delay = "5ms", wait = "1s")]
+#[::distlock::distributed_lock(
+    key = "job:{id}",
+    ttl = "10s",
+    retries = 2,
+    retry_delay = "5ms",
+    wait = "1s"
+)]
 async fn job(id: u32) -> Result<u32> {
     ::std::result::Result::Ok(id)
 }
