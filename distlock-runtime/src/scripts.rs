@@ -93,8 +93,8 @@ impl Published {
 macro_rules! published {
     ($($part:tt)+) => {
         Published::new(
-            concat!("local publish = 'publish'\n", $($part)+),
-            concat!("local publish = 'spublish'\n", $($part)+),
+            concat!("local publish = 'publish'\n", include_str!("scripts/announce.lua"), $($part)+),
+            concat!("local publish = 'spublish'\n", include_str!("scripts/announce.lua"), $($part)+),
         )
     };
 }
@@ -1040,6 +1040,7 @@ mod declared_keys {
     /// Every `.lua` file, shared fragments included.
     const SOURCES: &[(&str, &str)] = &[
         ("acquire", include_str!("scripts/acquire.lua")),
+        ("announce", include_str!("scripts/announce.lua")),
         ("clock", include_str!("scripts/clock.lua")),
         ("extend", include_str!("scripts/extend.lua")),
         ("fair", include_str!("scripts/fair.lua")),

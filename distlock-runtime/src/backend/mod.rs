@@ -328,12 +328,8 @@ impl Backend {
     }
 
     /// The master of each slot range of the Cluster (see [`Node::slot_masters`]).
-    pub(crate) async fn slot_masters(
-        &self,
-        open: Vec<redis::aio::MultiplexedConnection>,
-        masters: &[String],
-    ) -> RedisResult<SlotRanges> {
-        self.nodes()[0].slot_masters(open, masters).await
+    pub(crate) async fn slot_masters(&self, masters: &[String]) -> RedisResult<SlotRanges> {
+        self.nodes()[0].slot_masters(masters).await
     }
 
     /// A subscription connection to the Cluster master at `master` (see

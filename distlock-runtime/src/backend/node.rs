@@ -167,20 +167,32 @@ impl Node {
         NativeDelete::Script
     }
 
-    /// How wake-ups go on this deployment: sharded on a Cluster whose servers have `SPUBLISH`
-    /// (Redis 7.0, Valkey; asked with `COMMAND INFO`), classic everywhere else, and where the
-    /// server will not say.
+    /// How wake-ups go on this deployment: sharded on a Cluster whose every master has
+    /// `SPUBLISH` (Redis 7.0, Valkey; asked with `COMMAND INFO`), classic everywhere else, and
+    /// where a master will not say (said in the log: a manager that publishes the other way
+    /// is not heard by this one's waiters, who then wait on their timers).
     async fn find_wakes(&self, conn: &mut Conn) -> scripts::Wakes {
         if self.route.one_server() {
             return scripts::Wakes::Classic;
         }
         let info = redis::cmd("COMMAND").arg("INFO").arg("SPUBLISH").to_owned();
-        let answer: RedisResult<Vec<redis::Value>> = self.bounded(info.query_async(conn)).await;
-        match answer {
-            Ok(answer) if answer.iter().any(|v| !matches!(v, redis::Value::Nil)) => {
+        let has = |answer: &redis::Value| match answer {
+            redis::Value::Array(entries) => entries.iter().any(|v| !matches!(v, redis::Value::Nil)),
+            _ => false,
+        };
+        match self.bounded(self.each_master(conn, &info)).await {
+            Ok(answers) if !answers.is_empty() && answers.iter().all(|(_, a)| has(a)) => {
                 scripts::Wakes::Sharded
             }
-            _ => scripts::Wakes::Classic,
+            Ok(_) => scripts::Wakes::Classic,
+            Err(error) => {
+                tracing::warn!(
+                    %error,
+                    "could not learn whether every Cluster master has SPUBLISH: wake-ups use \
+                     classic pub/sub"
+                );
+                scripts::Wakes::Classic
+            }
         }
     }
 

@@ -18,28 +18,15 @@ use super::pool::{Conn, bounded};
 pub(crate) type SlotRanges = Vec<(u16, u16, String)>;
 
 impl Node {
-    /// The master of each slot range, from `CLUSTER SLOTS`: asked on each of `open` (the
-    /// subscription connections open now), then of each of `masters` in turn on a connection
-    /// of its own, closed after (the masters of the last map, those reachable lately first),
-    /// then of the first seed; each bounded by the response timeout, so a master that does not
-    /// answer holds up only its own turn. Only when none answers is the Cluster connection
-    /// asked (which opens this runtime's lanes if it had none).
-    pub(crate) async fn slot_masters(
-        &self,
-        open: Vec<MultiplexedConnection>,
-        masters: &[String],
-    ) -> RedisResult<SlotRanges> {
+    /// The master of each slot range, from `CLUSTER SLOTS`: asked of each of `masters` in
+    /// turn on a connection of its own, closed after (the masters of the last map, those
+    /// reachable lately first), then of the first seed; each bounded by the response timeout,
+    /// so a master that does not answer holds up only its own turn. Not on a subscription
+    /// connection, where the client could take a push for the answer. Only when none answers
+    /// is the Cluster connection asked (which opens this runtime's lanes if it had none).
+    pub(crate) async fn slot_masters(&self, masters: &[String]) -> RedisResult<SlotRanges> {
         let slots = redis::cmd("CLUSTER").arg("SLOTS").to_owned();
         let mut last = None;
-        for mut conn in open {
-            match self.bounded(slots.query_async::<Value>(&mut conn)).await {
-                Ok(answer) => match slot_ranges(&answer) {
-                    ranges if !ranges.is_empty() => return Ok(ranges),
-                    _ => continue,
-                },
-                Err(error) => last = Some(error),
-            }
-        }
         let seed = self.seed_address();
         for master in masters.iter().map(String::as_str).chain(seed.as_deref()) {
             let asked = async {

@@ -53,7 +53,7 @@ local function grant_head()
     lease = unclaimed
   end
   redis.call('set', lock, owner, 'px', lease)
-  redis.call(publish, wake, '=' .. owner)
+  announce(wake, '=' .. owner)
   return owner
 end
 
@@ -64,7 +64,7 @@ local function release()
     return {2, next_owner}
   end
   redis.call('del', lock)
-  return {1, redis.call(publish, wake, manager_id)}
+  return {1, announce(wake, manager_id)}
 end
 
 -- A key of another type (a hash: another lock kind) answers an error here: held, not ours.

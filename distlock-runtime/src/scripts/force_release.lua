@@ -85,5 +85,5 @@ if ARGV[1] == '1' then
 end
 
 redis.call('del', lock, timer, intent)
-redis.call(publish, wake, '')
+announce(wake, '')
 return {form, pttl, counter, fields, shares, 1}

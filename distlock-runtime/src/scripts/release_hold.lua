@@ -72,10 +72,10 @@ local function release_hold(lock, window, wake, token, hold, keep)
     redis.call('hset', lock, 'mode', 'min_hold')
     redis.call('pexpire', lock, keep)
     -- Waiters elsewhere look once more, learn when the marker ends, and take the lock then.
-    redis.call(publish, wake, '')
+    announce(wake, '')
   else
     redis.call('del', lock)
-    redis.call(publish, wake, '')
+    announce(wake, '')
   end
   return 1
 end

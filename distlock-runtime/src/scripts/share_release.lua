@@ -49,5 +49,5 @@ drop_share(lock, token)
 if live_shares(lock) == 0 then
   redis.call('del', lock)
 end
-redis.call(publish, KEYS[2], '')
+announce(KEYS[2], '')
 return 1

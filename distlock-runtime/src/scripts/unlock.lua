@@ -26,7 +26,7 @@ if keep > 0 then
   redis.call('hset', KEYS[1], 'mode', 'min_hold')
   redis.call('pexpire', KEYS[1], keep)
   -- Waiters look once more, learn when the marker ends, and take the lock then.
-  redis.call(publish, KEYS[2], ARGV[3])
+  announce(KEYS[2], ARGV[3])
   return 1
 end
-return 1 + redis.call(publish, KEYS[2], ARGV[3])
+return 1 + announce(KEYS[2], ARGV[3])

@@ -12,5 +12,5 @@ if redis.call('get', KEYS[1]) ~= ARGV[1] then
   return 0
 end
 redis.call('del', KEYS[1])
-redis.call(publish, KEYS[2], '')
+announce(KEYS[2], '')
 return 1

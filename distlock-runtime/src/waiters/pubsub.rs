@@ -217,7 +217,8 @@ impl Shared {
     /// one, or a shard's.
     pub(super) fn alive(&self, generation: u64) -> bool {
         generation != 0
-            && (generation == self.generation.load(Ordering::Acquire)
+            && ((generation == self.generation.load(Ordering::Acquire)
+                && self.closed.load(Ordering::Acquire) != generation)
                 || self.shards.is_open(generation))
     }
 

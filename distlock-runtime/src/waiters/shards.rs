@@ -133,15 +133,6 @@ impl Shards {
         order.into_iter().map(|(_, master)| master).collect()
     }
 
-    /// The subscription connections open now and not in use this moment (any of them can
-    /// also say what the Cluster looks like).
-    fn open_conns(&self) -> Vec<MultiplexedConnection> {
-        let open: Vec<_> = locked(&self.open).values().cloned().collect();
-        (open.iter())
-            .filter_map(|shard| shard.try_lock().ok().and_then(|shard| shard.conn.clone()))
-            .collect()
-    }
-
     /// The map may be out of date: read it again before the next subscribe; `down`, if
     /// given, could not be reached.
     fn stale(&self, down: Option<&str>) {
@@ -193,9 +184,7 @@ impl Shared {
             if let Ok(_reading) = tokio::time::timeout(patience, self.shards.reading.lock()).await
                 && self.shards.needs_reading()
             {
-                let answer = backend
-                    .slot_masters(self.shards.open_conns(), &self.shards.ask_order())
-                    .await;
+                let answer = backend.slot_masters(&self.shards.ask_order()).await;
                 let mut map = locked(&self.shards.map);
                 map.read_at = Some(Instant::now());
                 match answer {
@@ -332,11 +321,15 @@ impl Shared {
 
     /// Stops following `channel` on `shard`'s connection, or drops the connection.
     async fn shard_unsubscribe(&self, shard: &mut Shard, master: &str, channel: &str) {
+        // Its confirmation reaches the reader too: that one is no master giving it away.
+        let leaving = (shard.generation, channel.to_owned());
+        locked(&self.shards.leaving).insert(leaving.clone());
         if self
             .shard_command(shard, "SUNSUBSCRIBE", channel)
             .await
             .is_err()
         {
+            locked(&self.shards.leaving).remove(&leaving);
             self.drop_shard(shard, master);
         }
     }
