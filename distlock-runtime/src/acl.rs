@@ -34,6 +34,7 @@ const COMMANDS: &[&str] = &[
     "hget",
     "hgetall",
     "hincrby",
+    "hkeys",
     "hmget",
     "hset",
     "hsetnx",
