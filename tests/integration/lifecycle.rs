@@ -641,14 +641,21 @@ async fn huge_builder_durations_build_a_working_manager_or_are_refused() {
     }
 }
 
-/// File descriptors this process has open (Linux); `None` elsewhere.
-fn open_files() -> Option<usize> {
-    std::fs::read_dir("/proc/self/fd").ok().map(Iterator::count)
+/// The clients connected to `server`, as its `INFO clients` counts them (the one asking
+/// included).
+fn connected_clients(server: &RedisServer) -> usize {
+    let info = server.command(&["INFO", "clients"]).expect("INFO clients");
+    info.lines()
+        .find_map(|line| line.trim().strip_prefix("connected_clients:"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no connected_clients in {info:?}"))
 }
 
+/// Counted on a server of its own, so that only this test's connections are counted while
+/// other tests run beside it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn runtimes_that_come_and_go_leave_no_connections_behind() {
-    let server = shared_server();
+    let server = RedisServer::start().unwrap();
     let prefix = unique_prefix("runtimes");
     let locks = manager(&server, &prefix).await;
     // Each runtime locks through a connection of its own; once it shuts down, that
@@ -669,14 +676,12 @@ async fn runtimes_that_come_and_go_leave_no_connections_behind() {
         })
     };
     cycle(locks.clone()).await.unwrap();
-    let Some(before) = open_files() else {
-        return; // no /proc: nothing to count
-    };
+    let before = connected_clients(&server);
     cycle(locks.clone()).await.unwrap();
-    let after = open_files().unwrap();
+    let after = connected_clients(&server);
     assert!(
         after < before + 150,
-        "200 runtimes came and went, and {} files stayed open ({before} before, {after} after)",
+        "200 runtimes came and went, and {} connections stayed open ({before} before, {after} after)",
         after.saturating_sub(before)
     );
 }
