@@ -475,8 +475,12 @@ async fn a_wake_up_lost_in_a_cut_is_made_up_after_the_heal() {
         .await
         .expect("the waiter got the lock")
         .unwrap();
+    // Its own timer is 30 s away: well before it, only the recovery after the heal (a new
+    // connection, the channel followed again, the key looked at) let it in. That takes a few
+    // round trips and connects, which a machine busy with other tests can stretch past
+    // `RECOVERY`.
     assert!(
-        entered - healed < RECOVERY,
+        entered - healed < RECOVERY * 3,
         "the waiter got the lock {:?} after the heal",
         entered - healed
     );
