@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisError, RedisResult};
+use redis::{ConnectionInfo, IntoConnectionInfo, RedisError, RedisResult};
 use tokio::runtime;
 
 use super::pool::{ConnectOptions, Pool, bounded};
@@ -113,19 +113,7 @@ impl Sentinel {
             };
             match bounded(limit, ask).await {
                 Ok((host, port)) => {
-                    let addr = match info.addr() {
-                        ConnectionAddr::TcpTls {
-                            insecure,
-                            tls_params,
-                            ..
-                        } => ConnectionAddr::TcpTls {
-                            host,
-                            port,
-                            insecure: *insecure,
-                            tls_params: tls_params.clone(),
-                        },
-                        _ => ConnectionAddr::Tcp(host, port),
-                    };
+                    let addr = super::shard_pubsub::same_transport(info.addr(), host, port);
                     return Ok(info.set_addr(addr));
                 }
                 Err(error) => last = Some(error),

@@ -87,19 +87,7 @@ impl Node {
             .and_then(|(host, port)| Some((host.to_owned(), port.parse::<u16>().ok()?)))
             .ok_or_else(|| RedisError::from(io::Error::other("a master without a port")))?;
         let info = self.pool.client().get_connection_info().clone();
-        let addr = match info.addr() {
-            ConnectionAddr::TcpTls {
-                insecure,
-                tls_params,
-                ..
-            } => ConnectionAddr::TcpTls {
-                host,
-                port,
-                insecure: *insecure,
-                tls_params: tls_params.clone(),
-            },
-            _ => ConnectionAddr::Tcp(host, port),
-        };
+        let addr = same_transport(info.addr(), host, port);
         let settings = info
             .redis_settings()
             .clone()
@@ -128,5 +116,22 @@ impl Node {
             tracing::debug!(%error, "the subscription connection could not be named");
         }
         Ok(conn)
+    }
+}
+
+/// The address `host:port`, reached as `like` is: over TLS with its settings, or plain TCP.
+pub(super) fn same_transport(like: &ConnectionAddr, host: String, port: u16) -> ConnectionAddr {
+    match like {
+        ConnectionAddr::TcpTls {
+            insecure,
+            tls_params,
+            ..
+        } => ConnectionAddr::TcpTls {
+            host,
+            port,
+            insecure: *insecure,
+            tls_params: tls_params.clone(),
+        },
+        _ => ConnectionAddr::Tcp(host, port),
     }
 }
