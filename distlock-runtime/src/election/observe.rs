@@ -19,8 +19,9 @@ use crate::identity::Registry;
 use crate::manager::Inner;
 use crate::{LockError, LockManager};
 
-/// The changes of an election's leader, from [`Election::observe`]: read them with
-/// [`next`](Self::next), or as a `Stream`. Dropping it stops following.
+/// The changes of an election's leader, from
+/// [`Election::observe`](super::Election::observe): read them with [`next`](Self::next), or as
+/// a `Stream`. Dropping it stops following.
 #[derive(Debug)]
 pub struct Observer {
     changes: mpsc::UnboundedReceiver<LeaderChange>,
