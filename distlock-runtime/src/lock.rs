@@ -34,7 +34,7 @@ impl Target for Single {
 
 /// Takes one lock: see [`LockRequest::acquire`].
 async fn acquire_one(request: LockRequest<'_>) -> Result<LockGuard, LockError> {
-    let (manager, quiet) = (request.manager, request.options.quiet);
+    let (manager, skip_holder_lookup) = (request.manager, request.options.skip_holder_lookup);
     let plan = request.into_plan()?;
     if manager.inner.holds.is_shut_down() {
         return Err(LockError::ShutDown);
@@ -65,7 +65,7 @@ async fn acquire_one(request: LockRequest<'_>) -> Result<LockGuard, LockError> {
                 holder_token: Some(_),
                 ..
             },
-        ) if !quiet => Err(Box::pin(name_holder(manager, busy)).await),
+        ) if !skip_holder_lookup => Err(Box::pin(name_holder(manager, busy)).await),
         result => result,
     };
     crate::metrics::acquire_ended(labels, timer, &result);
@@ -444,7 +444,7 @@ impl Held {
             lease,
             guards: AtomicUsize::new(1),
             keep_until: Mutex::new(keep_until),
-            cohort: !plan.options.no_cohort,
+            cohort: !plan.options.solo,
             passes,
             run: std::sync::OnceLock::new(),
             set: std::sync::OnceLock::new(),

@@ -89,7 +89,7 @@ impl<'m, T: Target> LockRequest<'m, T> {
     /// any lock of a set). Other errors are those of [`acquire`](Self::acquire).
     pub async fn try_acquire(mut self) -> Result<Option<T::Guard>, LockError> {
         // Nobody sees the busy error: no holder to name.
-        self.options.quiet = true;
+        self.options.skip_holder_lookup = true;
         match self.retries(0).wait(Duration::ZERO).acquire().await {
             Ok(guard) => Ok(Some(guard)),
             Err(LockError::Busy { .. }) => Ok(None),
@@ -112,10 +112,12 @@ pub(crate) struct Options {
     pub(crate) reentrant: bool,
     pub(crate) min_hold: Option<Duration>,
     pub(crate) fair: bool,
-    /// Opted out of local passes.
-    pub(crate) no_cohort: bool,
-    /// A busy error does not name the holder (`try_acquire` drops the error).
-    pub(crate) quiet: bool,
+    /// Taken and given back on its own: never by or into a local pass (opted out of cohorts,
+    /// or a set).
+    pub(crate) solo: bool,
+    /// A busy error is returned without looking up who holds the lock (`try_acquire` drops
+    /// the error).
+    pub(crate) skip_holder_lookup: bool,
     /// The hold is left out of the current frame: an annotated call records it in the frame
     /// it opens for its body instead.
     pub(crate) unrecorded: bool,
@@ -443,7 +445,7 @@ impl LockRequest<'_> {
     /// when the hold was taken away (then no pass is made any more, and `lost()` fires for
     /// the holder that has it).
     pub fn cohort(mut self, cohort: bool) -> Self {
-        self.options.no_cohort = !cohort;
+        self.options.solo = !cohort;
         self
     }
 }
@@ -544,7 +546,7 @@ impl MultiLockRequest<'_> {
             ));
         }
         // A set never passes locally.
-        self.options.no_cohort = true;
+        self.options.solo = true;
         let plan = self.plan(RequestKind::Exclusive, keys, "a lock set")?;
         check_holds(&plan.options)?;
         Ok(plan)

@@ -187,7 +187,7 @@ impl<'a, A: Ask> Engine<'a, A> {
             },
             metrics: plan.metrics,
             // Fair locks never pass locally.
-            cohort: !plan.options.no_cohort && mode != Mode::Fair,
+            cohort: !plan.options.solo && mode != Mode::Fair,
             started,
             hand_off: false,
             cover: Cover::new(inner, ask),
