@@ -160,10 +160,7 @@ async fn a_frozen_master_costs_no_lease_set_or_waiter_on_the_other_masters() {
     // A frozen master is soon marked failed over the cluster bus; with full coverage
     // required (the default) the other masters then refuse every slot themselves, which no
     // client can keep in one shard. A cluster run for shard isolation says so.
-    for node in &nodes {
-        node.command(&["CONFIG", "SET", "cluster-require-full-coverage", "no"])
-            .unwrap();
-    }
+    without_full_coverage(&nodes);
     trouble_on_one_master(&nodes, Trouble::Pause, || nodes[2].pause().unwrap()).await;
     nodes[2].resume().unwrap();
 }
@@ -325,10 +322,7 @@ async fn a_contended_key_costs_the_other_masters_no_publish() {
 async fn waiters_of_the_other_shards_are_woken_with_the_first_seeds_master_killed() {
     let nodes = RedisServer::start_cluster(3).unwrap();
     // The other masters keep serving their slots once the dead one is marked failed.
-    for node in &nodes {
-        node.command(&["CONFIG", "SET", "cluster-require-full-coverage", "no"])
-            .unwrap();
-    }
+    without_full_coverage(&nodes);
     let prefix = "sk:";
     let holder = support::connect(support::quick(support::cluster(&nodes), prefix)).await;
     let waiter = support::connect(support::quick(support::cluster(&nodes), prefix)).await;
@@ -471,4 +465,14 @@ async fn without_command_info_a_cluster_falls_back_to_classic_wake_ups() {
     let rules = LockManager::acl_rules(prefix).replace(" +command|info", "");
     let nodes = cluster_with_user(&rules);
     assert_eq!(woken_as_locker(&nodes, prefix).await, (1, 0));
+}
+
+/// Lets every master of `nodes` serve its slots while another is down (Redis's default,
+/// `cluster-require-full-coverage yes`, has every master refuse every slot then: no client
+/// can keep that in one shard).
+fn without_full_coverage(nodes: &[RedisServer]) {
+    for node in nodes {
+        node.command(&["CONFIG", "SET", "cluster-require-full-coverage", "no"])
+            .unwrap();
+    }
 }
