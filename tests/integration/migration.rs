@@ -403,7 +403,13 @@ async fn a_slot_moved_key_by_key_never_splits_a_lock() {
         record.entries
     );
     // The locks work where the slot ended, and nothing of theirs is left elsewhere.
-    let guard = managers[0].write_lock(&rw).acquire().await.unwrap();
+    // A release that failed mid-move left its lock to its lease: wait that out.
+    let guard = managers[0]
+        .write_lock(&rw)
+        .wait(TTL * 2)
+        .acquire()
+        .await
+        .unwrap();
     guard.release().await.unwrap();
     let owner = owner_of(&nodes, &ids, slot);
     for (i, node) in nodes.iter().enumerate() {
