@@ -20,7 +20,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, Pipeline, RedisError, RedisResult, Value};
 
-use super::pool::ConnectOptions;
+use super::connect::ConnectOptions;
 
 /// A client of the Redis Cluster reached through `seeds`, made with `options`, and the first
 /// seed (which serves pub/sub); nothing is sent until it is used.

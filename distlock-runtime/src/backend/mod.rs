@@ -1,6 +1,6 @@
 //! Where locks live: the Redis deployment behind a manager.
 //!
-//! One room per topology: `node.rs` is one endpoint (a server, with `sentinel.rs` for a
+//! One room per topology: `node/` is one endpoint (a server, with `sentinel.rs` for a
 //! Sentinel-managed master and `cluster.rs` for a Cluster, both reached through one `Node`,
 //! whose `route.rs` decides all that differs between the three, over the connections that
 //! `pool.rs` keeps), `redlock.rs` the majority rule over independent masters, `hold.rs` what an
@@ -15,6 +15,7 @@ use std::time::Duration;
 use redis::RedisResult;
 
 mod cluster;
+mod connect;
 mod hold;
 mod link;
 mod node;
@@ -26,12 +27,12 @@ mod sets;
 mod shard_pubsub;
 
 pub(crate) use cluster::slot_of;
+pub(crate) use connect::ConnectOptions;
 pub(crate) use hold::{
     AcquireAnswer, AcquireRequest, FAIR_REFRESH, FairQueue, FairRelease, HoldIds, Renewal, Shape,
     token_text,
 };
 pub(crate) use node::{Node, denied};
-pub(crate) use pool::ConnectOptions;
 pub(crate) use sets::{SetKey, SetRequest};
 pub(crate) use shard_pubsub::SlotRanges;
 

@@ -1,8 +1,8 @@
-//! The connections of one endpoint, whatever its topology: how they are opened
-//! ([`ConnectOptions`]), the client they reach, one connection per tokio runtime ([`Conn`]),
-//! the idle ones kept for a grant and its WAIT, and what is known of the server behind them.
-//! The node's route (see `route.rs`) opens the connections; the node (see `node.rs`) runs the
-//! operations on them.
+//! The connections of one endpoint, whatever its topology: the client they reach, one
+//! connection per tokio runtime ([`Conn`]), the idle ones kept for a grant and its WAIT, and
+//! what is known of the server behind them. The node's route (see `route.rs`) opens the
+//! connections, with the options of `connect.rs`; the node (see `node/`) runs the operations
+//! on them.
 
 use std::collections::{HashMap, HashSet};
 use std::io;
@@ -17,33 +17,10 @@ use redis::{
 };
 use tokio::runtime;
 
+use super::connect::ConnectOptions;
 use super::link::{Link, Query};
 use crate::id_map::IdMap;
 use crate::security::Security;
-
-/// How a backend connects.
-#[derive(Debug, Clone)]
-pub(crate) struct ConnectOptions {
-    pub(crate) connect_timeout: Duration,
-    pub(crate) response_timeout: Duration,
-    /// After each grant, WAIT for this many replicas, this long.
-    pub(crate) sync_replicas: Option<(u32, Duration)>,
-    /// With `sync_replicas`: WAITAOF (the grant fsynced to the replicas' append-only files)
-    /// instead of WAIT.
-    pub(crate) sync_aof: bool,
-    /// How long a RedLock master that restarted stays out of quorums.
-    pub(crate) restart_delay: Duration,
-    /// Credentials and TLS material beyond what the URLs say.
-    pub(crate) security: Arc<Security>,
-    /// This manager's id (see `identity`): what its releases of plain locks publish on the
-    /// wake channel, so that its own waiters can tell them from other processes' releases.
-    pub(crate) manager_id: Arc<str>,
-    /// The name this manager's connections give themselves (`CLIENT SETNAME`).
-    pub(crate) client_name: Arc<str>,
-    /// The manager's own runtime, which outlives any caller's: what must reach the server
-    /// after the caller's runtime is gone is sent from there.
-    pub(crate) background: runtime::Handle,
-}
 
 /// The connections of one endpoint, and what is known of the server behind them.
 pub(super) struct Pool {

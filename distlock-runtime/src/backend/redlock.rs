@@ -14,9 +14,10 @@ use futures_util::stream::FuturesUnordered;
 use redis::{RedisError, RedisResult};
 use tokio::runtime;
 
+use super::connect::ConnectOptions;
 use super::hold::{AcquireAnswer, AcquireRequest, HoldIds, HoldRef, Renewal};
 use super::node::Node;
-use super::pool::{ConnectOptions, bounded};
+use super::pool::bounded;
 
 /// Several independent masters, a majority of which must agree.
 #[derive(Clone, Debug)]

@@ -2,7 +2,7 @@
 //! Cluster), decided when the node is made, and the connection that topology opens for each
 //! runtime (a [`Conn`], kept by the node's pool). Everything that differs between the
 //! topologies is decided here, so that the operations on a lock never ask which one they run
-//! on; only the inspector's look at every master (in `node.rs`) does.
+//! on; only the inspector's look at every master (in `node/`) does.
 
 use std::sync::Arc;
 

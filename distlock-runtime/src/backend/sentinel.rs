@@ -8,7 +8,8 @@ use std::time::Duration;
 use redis::{ConnectionInfo, IntoConnectionInfo, RedisError, RedisResult};
 use tokio::runtime;
 
-use super::pool::{ConnectOptions, Pool, bounded};
+use super::connect::{ConnectOptions, same_transport};
+use super::pool::{Pool, bounded};
 use crate::security::Security;
 
 /// Where a Sentinel-managed master is found.
@@ -113,7 +114,7 @@ impl Sentinel {
             };
             match bounded(limit, ask).await {
                 Ok((host, port)) => {
-                    let addr = super::shard_pubsub::same_transport(info.addr(), host, port);
+                    let addr = same_transport(info.addr(), host, port);
                     return Ok(info.set_addr(addr));
                 }
                 Err(error) => last = Some(error),

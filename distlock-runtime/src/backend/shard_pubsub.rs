@@ -11,6 +11,7 @@ use redis::{
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::cluster::slot_ranges;
+use super::connect::same_transport;
 use super::node::Node;
 use super::pool::{Conn, bounded};
 
@@ -116,22 +117,5 @@ impl Node {
             tracing::debug!(%error, "the subscription connection could not be named");
         }
         Ok(conn)
-    }
-}
-
-/// The address `host:port`, reached as `like` is: over TLS with its settings, or plain TCP.
-pub(super) fn same_transport(like: &ConnectionAddr, host: String, port: u16) -> ConnectionAddr {
-    match like {
-        ConnectionAddr::TcpTls {
-            insecure,
-            tls_params,
-            ..
-        } => ConnectionAddr::TcpTls {
-            host,
-            port,
-            insecure: *insecure,
-            tls_params: tls_params.clone(),
-        },
-        _ => ConnectionAddr::Tcp(host, port),
     }
 }
