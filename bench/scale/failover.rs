@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use distlock::LockManager;
 
-use super::cluster::Deployment;
+use super::deployment::Deployment;
 use super::handover::{self, Handed};
 use super::{Options, percentile};
 

@@ -18,6 +18,7 @@ use distlock::testing::RedisServer;
 use crate::harness;
 
 mod cluster;
+mod deployment;
 mod failover;
 mod handover;
 mod rows;
