@@ -151,7 +151,9 @@ async fn work(
     stop: Arc<AtomicBool>,
     errors: Arc<AtomicU32>,
 ) {
+    let mut attempts = 0u32;
     while !stop.load(Ordering::Relaxed) {
+        attempts += 1;
         let request = match role {
             Role::Reader => locks.read_lock(&name),
             Role::Writer => locks.write_lock(&name),
@@ -159,9 +161,11 @@ async fn work(
             Role::Exclusive => locks.lock(&name),
         };
         let request = request.ttl(TTL).fencing(true);
-        // Most wait (a waiting writer keeps new readers out); exclusive holders ask again and
-        // again instead, so that some ask while the slot is half moved.
-        let answer = if role != Role::Exclusive {
+        // Most wait (a waiting writer keeps new readers out); exclusive holders mostly ask
+        // again and again instead, so that some ask while the slot is half moved, and every
+        // fourth time wait like the others (asking only, they could be kept out all along by
+        // the waiting writers and readers).
+        let answer = if role != Role::Exclusive || attempts.is_multiple_of(4) {
             request
                 .wait(Duration::from_secs(2))
                 .acquire()
