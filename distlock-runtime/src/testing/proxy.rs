@@ -38,6 +38,8 @@ struct ProxyShared {
     stopped: std::sync::atomic::AtomicBool,
     /// Chunks held back by [`Fault::Latency`] so far.
     delayed: AtomicU64,
+    /// Of those, the ones delivered (or given up at a write that failed) since.
+    delivered_late: AtomicU64,
 }
 
 impl FaultProxy {
@@ -50,6 +52,7 @@ impl FaultProxy {
             generation: AtomicU64::new(0),
             stopped: std::sync::atomic::AtomicBool::new(false),
             delayed: AtomicU64::new(0),
+            delivered_late: AtomicU64::new(0),
         });
         let accepting = shared.clone();
         std::thread::Builder::new()
@@ -80,6 +83,11 @@ impl FaultProxy {
         Ok(Self { port, shared })
     }
 
+    /// The loopback port the proxy listens on (what a Cluster node behind it announces).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// `redis://127.0.0.1:<proxy port>`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
@@ -95,6 +103,13 @@ impl FaultProxy {
     /// (a chunk read under a latency is delivered late even if the fault changes meanwhile).
     pub fn delayed(&self) -> u64 {
         self.shared.delayed.load(Ordering::Acquire)
+    }
+
+    /// How many chunks [`Fault::Latency`] holds back right now, not yet delivered: a test
+    /// waits for 0 to know that everything held back has arrived (or could not be written).
+    pub fn held_back(&self) -> u64 {
+        let delivered = self.shared.delivered_late.load(Ordering::Acquire);
+        self.delayed().saturating_sub(delivered)
     }
 
     /// Closes every open connection (the peers see a reset or end of stream); new ones are
@@ -117,7 +132,7 @@ impl Drop for FaultProxy {
 /// proxy resets: this thread reads, and a second one delivers each chunk when it is due.
 fn pipe(mut from: TcpStream, to: TcpStream, shared: &Arc<ProxyShared>, generation: u64) {
     let _ = from.set_read_timeout(Some(Duration::from_millis(20)));
-    let (chunks, due) = mpsc::channel::<Option<(Instant, Vec<u8>)>>();
+    let (chunks, due) = mpsc::channel::<Option<Chunk>>();
     let deliver = {
         let shared = shared.clone();
         let from = from.try_clone();
@@ -159,11 +174,12 @@ fn pipe(mut from: TcpStream, to: TcpStream, shared: &Arc<ProxyShared>, generatio
             std::thread::sleep(Duration::from_millis(5));
         };
         let mut at = Instant::now();
+        let late = matches!(fault, Fault::Latency(_));
         if let Fault::Latency(delay) = fault {
             shared.delayed.fetch_add(1, Ordering::AcqRel);
             at += delay;
         }
-        if chunks.send(Some((at, buf[..n].to_vec()))).is_err() {
+        if chunks.send(Some((at, late, buf[..n].to_vec()))).is_err() {
             break;
         }
     }
@@ -175,10 +191,13 @@ fn pipe(mut from: TcpStream, to: TcpStream, shared: &Arc<ProxyShared>, generatio
     }
 }
 
+/// A chunk read: when it is due, whether a latency held it back, its bytes.
+type Chunk = (Instant, bool, Vec<u8>);
+
 /// Writes each chunk to `to` when it is due, in order; at the end of the stream (`None`),
 /// shuts `to`'s write side. A reset closes both sides, delivering nothing more.
 fn deliver(
-    due: mpsc::Receiver<Option<(Instant, Vec<u8>)>>,
+    due: mpsc::Receiver<Option<Chunk>>,
     mut to: TcpStream,
     from: Option<TcpStream>,
     shared: &ProxyShared,
@@ -191,7 +210,7 @@ fn deliver(
         }
     };
     while let Ok(chunk) = due.recv() {
-        let Some((at, bytes)) = chunk else {
+        let Some((at, late, bytes)) = chunk else {
             if shared.generation.load(Ordering::Acquire) != generation {
                 return reset(&to);
             }
@@ -207,7 +226,11 @@ fn deliver(
         if shared.generation.load(Ordering::Acquire) != generation {
             return reset(&to);
         }
-        if to.write_all(&bytes).is_err() {
+        let written = to.write_all(&bytes);
+        if late {
+            shared.delivered_late.fetch_add(1, Ordering::AcqRel);
+        }
+        if written.is_err() {
             return;
         }
     }

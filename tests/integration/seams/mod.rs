@@ -1,33 +1,112 @@
 //! Where two features meet: a nested acquire inside a hold that was lost, `min_hold` inside a
-//! set, wake-ups after a `min_hold` marker or a forced release. Each as a user would trip
-//! over it, on a real server.
+//! set, wake-ups after a `min_hold` marker or a forced release, an attempt that lands after
+//! its retry. Each as a user would trip over it, on real servers: one server, and each seam
+//! again on a Cluster, behind Sentinels and on RedLock (`every_seam_holds_*`; RedLock has no
+//! fencing tokens, and Sentinel no proxy on its master's path).
+
+mod deployment;
 
 use std::time::{Duration, Instant};
 
-use distlock::testing::{Fault, FaultProxy, RedisServer};
+use distlock::testing::Fault;
 use distlock::{LockError, LockManager, distributed_lock};
 
-use crate::support::{keys, manager, shared_server, unique_prefix};
+use deployment::Deployment;
 
-/// Removes `key` under `prefix` behind distlock's back, as an operator or an eviction would.
-fn delete(server: &RedisServer, prefix: &str, key: &str) {
-    server
-        .command(&["DEL", &format!("{prefix}{{{key}}}")])
-        .expect("DEL");
+use crate::support::{self, unique_prefix};
+
+/// Each seam on the test binary's shared server (a late attempt: on a server of its own,
+/// behind a proxy).
+mod one_server {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_nested_acquire_inside_a_lost_hold_is_refused() {
+        super::a_nested_acquire_inside_a_lost_hold_is_refused(&Deployment::single()).await;
+    }
+
+    #[tokio::test]
+    async fn an_annotated_reentrant_call_inside_a_lost_hold_does_not_run() {
+        super::an_annotated_reentrant_call_inside_a_lost_hold_does_not_run(&Deployment::single())
+            .await;
+    }
+
+    #[tokio::test]
+    async fn a_nested_acquire_during_the_last_release_waits_for_it() {
+        super::a_nested_acquire_during_the_last_release_waits_for_it(&Deployment::single()).await;
+    }
+
+    #[tokio::test]
+    async fn a_min_hold_nested_in_a_set_is_kept_when_the_set_is_released_or_dropped() {
+        let d = Deployment::single();
+        super::a_min_hold_nested_in_a_set_is_kept_when_the_set_is_released_or_dropped(&d).await;
+    }
+
+    #[tokio::test]
+    async fn a_release_that_leaves_a_min_hold_marker_wakes_waiters_elsewhere() {
+        let d = Deployment::single();
+        super::a_release_that_leaves_a_min_hold_marker_wakes_waiters_elsewhere(&d).await;
+    }
+
+    #[tokio::test]
+    async fn a_waiter_behind_its_own_managers_holder_takes_a_force_released_lock() {
+        let d = Deployment::single();
+        super::a_waiter_behind_its_own_managers_holder_takes_a_force_released_lock(&d).await;
+    }
+
+    #[tokio::test]
+    async fn a_late_first_attempt_never_keeps_the_key_after_its_retry_was_released() {
+        let d = Deployment::own_server().through_proxies();
+        super::a_late_first_attempt_never_keeps_the_key_after_its_retry_was_released(&d, false)
+            .await;
+    }
+
+    #[tokio::test]
+    async fn a_set_whose_nested_hold_ends_while_it_waits_is_refused() {
+        super::a_set_whose_nested_hold_ends_while_it_waits_is_refused(&Deployment::single()).await;
+    }
 }
 
-#[tokio::test]
-async fn a_nested_acquire_inside_a_lost_hold_is_refused() {
-    let server = shared_server();
+/// The seams with no fault of the network, one after another on `d`.
+async fn every_seam(d: &Deployment) {
+    a_nested_acquire_inside_a_lost_hold_is_refused(d).await;
+    an_annotated_reentrant_call_inside_a_lost_hold_does_not_run(d).await;
+    a_nested_acquire_during_the_last_release_waits_for_it(d).await;
+    a_min_hold_nested_in_a_set_is_kept_when_the_set_is_released_or_dropped(d).await;
+    a_release_that_leaves_a_min_hold_marker_wakes_waiters_elsewhere(d).await;
+    a_waiter_behind_its_own_managers_holder_takes_a_force_released_lock(d).await;
+    a_set_whose_nested_hold_ends_while_it_waits_is_refused(d).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_seam_holds_on_a_cluster() {
+    let d = Deployment::cluster();
+    every_seam(&d).await;
+    // The nodes now announce proxies in front of them, which hold the first attempt back.
+    let d = d.through_proxies();
+    a_late_first_attempt_never_keeps_the_key_after_its_retry_was_released(&d, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_seam_holds_behind_sentinel() {
+    every_seam(&Deployment::sentinel()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_seam_holds_on_redlock() {
+    let d = Deployment::redlock();
+    every_seam(&d).await;
+    let d = d.through_proxies();
+    a_late_first_attempt_never_keeps_the_key_after_its_retry_was_released(&d, false).await;
+}
+
+async fn a_nested_acquire_inside_a_lost_hold_is_refused(d: &Deployment) {
     let prefix = unique_prefix("seams-nested-lost");
-    let (a, b) = (
-        manager(&server, &prefix).await,
-        manager(&server, &prefix).await,
-    );
+    let (a, b) = (d.manager(&prefix).await, d.manager(&prefix).await);
     distlock::scope(async {
         let outer = a.lock("k").reentrant(true).acquire().await.unwrap();
         // The lock is taken from under the holder, and another manager takes it.
-        delete(&server, &prefix, "k");
+        d.delete(&prefix, "k");
         let thief = b.lock("k").acquire().await.unwrap();
         let nested = a.lock("k").reentrant(true).acquire().await;
         assert!(
@@ -54,17 +133,12 @@ async fn nested_call(locks: &LockManager) -> Result<(), LockError> {
     Ok(())
 }
 
-#[tokio::test]
-async fn an_annotated_reentrant_call_inside_a_lost_hold_does_not_run() {
-    let server = shared_server();
+async fn an_annotated_reentrant_call_inside_a_lost_hold_does_not_run(d: &Deployment) {
     let prefix = unique_prefix("seams-annotated-lost");
-    let (a, b) = (
-        manager(&server, &prefix).await,
-        manager(&server, &prefix).await,
-    );
+    let (a, b) = (d.manager(&prefix).await, d.manager(&prefix).await);
     distlock::scope(async {
         let outer = a.lock("k").reentrant(true).acquire().await.unwrap();
-        delete(&server, &prefix, "k");
+        d.delete(&prefix, "k");
         let thief = b.lock("k").acquire().await.unwrap();
         let ran = nested_call(&a).await;
         assert!(matches!(ran, Err(LockError::Lost { .. })), "{ran:?}");
@@ -74,11 +148,9 @@ async fn an_annotated_reentrant_call_inside_a_lost_hold_does_not_run() {
     .await;
 }
 
-#[tokio::test]
-async fn a_nested_acquire_during_the_last_release_waits_for_it() {
-    let server = shared_server();
+async fn a_nested_acquire_during_the_last_release_waits_for_it(d: &Deployment) {
     let prefix = unique_prefix("seams-nested-releasing");
-    let locks = manager(&server, &prefix).await;
+    let locks = d.manager(&prefix).await;
     let outer = locks.lock("k").reentrant(true).acquire().await.unwrap();
     // The release is on its way while a sibling of the same frame asks again.
     let (released, nested) = tokio::join!(outer.release(), async {
@@ -94,7 +166,7 @@ async fn a_nested_acquire_during_the_last_release_waits_for_it() {
     // A fresh owner: it holds the lock on the server, under a token of its own.
     assert!(nested.is_held().await.unwrap());
     nested.release().await.unwrap();
-    assert!(keys(&server, &prefix).is_empty());
+    assert!(d.keys(&prefix).is_empty());
 }
 
 /// Waits until `locks` takes `key`, with `wait`: when it got it, from `from`.
@@ -111,14 +183,9 @@ async fn taken_after(locks: &LockManager, key: &str, from: Instant) -> Duration 
     after
 }
 
-#[tokio::test]
-async fn a_min_hold_nested_in_a_set_is_kept_when_the_set_is_released_or_dropped() {
-    let server = shared_server();
+async fn a_min_hold_nested_in_a_set_is_kept_when_the_set_is_released_or_dropped(d: &Deployment) {
     let prefix = unique_prefix("seams-set-min-hold");
-    let (a, b) = (
-        manager(&server, &prefix).await,
-        manager(&server, &prefix).await,
-    );
+    let (a, b) = (d.manager(&prefix).await, d.manager(&prefix).await);
     for drop_it in [false, true] {
         let started = Instant::now();
         let set = distlock::scope(async {
@@ -152,15 +219,13 @@ async fn a_min_hold_nested_in_a_set_is_kept_when_the_set_is_released_or_dropped(
     }
 }
 
-#[tokio::test]
-async fn a_release_that_leaves_a_min_hold_marker_wakes_waiters_elsewhere() {
-    let server = shared_server();
+async fn a_release_that_leaves_a_min_hold_marker_wakes_waiters_elsewhere(d: &Deployment) {
     let prefix = unique_prefix("seams-marker-wakes");
-    let (a, b) = (
-        manager(&server, &prefix).await,
-        manager(&server, &prefix).await,
-    );
-    for plain in [true, false] {
+    let (a, b) = (d.manager(&prefix).await, d.manager(&prefix).await);
+    for plain in [true, false]
+        .into_iter()
+        .filter(|plain| *plain || d.fences())
+    {
         let started = Instant::now();
         let holder = a
             .lock("k")
@@ -174,7 +239,7 @@ async fn a_release_that_leaves_a_min_hold_marker_wakes_waiters_elsewhere() {
             let b = b.clone();
             async move { taken_after(&b, "k", started).await }
         });
-        crate::support::until_waiting(&b, 1).await;
+        support::until_waiting(&b, 1).await;
         holder.release().await.unwrap();
         let taken = waiter.await.unwrap();
         // Free at 300 ms: taken then, not at the 10 s lease's end.
@@ -185,14 +250,9 @@ async fn a_release_that_leaves_a_min_hold_marker_wakes_waiters_elsewhere() {
     }
 }
 
-#[tokio::test]
-async fn a_waiter_behind_its_own_managers_holder_takes_a_force_released_lock() {
-    let server = shared_server();
+async fn a_waiter_behind_its_own_managers_holder_takes_a_force_released_lock(d: &Deployment) {
     let prefix = unique_prefix("seams-forced-here");
-    let (a, operator) = (
-        manager(&server, &prefix).await,
-        manager(&server, &prefix).await,
-    );
+    let (a, operator) = (d.manager(&prefix).await, d.manager(&prefix).await);
     // The holder got the key by a hand-off from a release of the same manager.
     let first = a
         .lock("k")
@@ -210,7 +270,7 @@ async fn a_waiter_behind_its_own_managers_holder_takes_a_force_released_lock() {
                 .await
         }
     });
-    crate::support::until_waiting(&a, 1).await;
+    support::until_waiting(&a, 1).await;
     first.release().await.unwrap();
     let holder = second.await.unwrap().unwrap();
     let waiter = tokio::spawn({
@@ -228,7 +288,7 @@ async fn a_waiter_behind_its_own_managers_holder_takes_a_force_released_lock() {
             waited
         }
     });
-    crate::support::until_waiting(&a, 1).await;
+    support::until_waiting(&a, 1).await;
     let removed = operator.force_release("k").await.unwrap();
     assert_eq!(removed.unwrap().holders[0].token, holder.token());
     let waited = waiter.await.unwrap();
@@ -251,22 +311,24 @@ async fn until(within: Duration, what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-#[tokio::test]
-async fn a_late_first_attempt_never_keeps_the_key_after_its_retry_was_released() {
-    let server = RedisServer::start().unwrap();
-    let proxy = FaultProxy::start(server.port()).unwrap();
-    let locks = LockManager::builder()
-        .redis_url(proxy.url())
-        .key_prefix("late-first:")
-        .response_timeout(Duration::from_millis(200))
-        .build()
-        .await
-        .unwrap();
-    let key = "late-first:{k}";
+async fn a_late_first_attempt_never_keeps_the_key_after_its_retry_was_released(
+    d: &Deployment,
+    may_land_first: bool,
+) {
+    let prefix = unique_prefix("seams-late-first");
+    let locks = support::connect(
+        d.proxied()
+            .key_prefix(&prefix)
+            .response_timeout(Duration::from_millis(200)),
+    )
+    .await;
+    let key = format!("{prefix}{{k}}");
     // The first attempt is held back 1 s by the network, far past its response timeout; the
     // retry goes through at once and is granted.
-    proxy.set(Fault::Latency(Duration::from_secs(1)));
-    let before = proxy.delayed();
+    for proxy in d.proxies() {
+        proxy.set(Fault::Latency(Duration::from_secs(1)));
+    }
+    let before: Vec<u64> = d.proxies().iter().map(|p| p.delayed()).collect();
     let request = tokio::spawn({
         let locks = locks.clone();
         async move {
@@ -281,48 +343,50 @@ async fn a_late_first_attempt_never_keeps_the_key_after_its_retry_was_released()
     until(
         Duration::from_secs(5),
         "the first attempt reaching the proxy",
-        || proxy.delayed() > before,
+        || (d.proxies().iter().zip(&before)).any(|(p, before)| p.delayed() > *before),
     )
     .await;
-    proxy.set(Fault::Pass);
+    for proxy in d.proxies() {
+        proxy.set(Fault::Pass);
+    }
     let guard = request.await.unwrap().unwrap();
     assert!(guard.attempts() >= 2, "granted by a retry");
     guard.release().await.unwrap();
     // Then the first attempt lands, on a key nobody holds, and takes it for the released
     // token: the release is sent again once no late delivery can happen, well inside the
     // 30 s lease it would otherwise keep.
-    until(Duration::from_secs(5), "the late attempt landing", || {
-        server.command(&["EXISTS", key]).unwrap().starts_with(":1")
-    })
+    let mut landed = false;
+    until(
+        Duration::from_secs(5),
+        "everything held back delivered",
+        || {
+            landed |= d.keys(&prefix).contains(&key);
+            d.proxies().iter().all(|p| p.held_back() == 0)
+        },
+    )
     .await;
+    landed |= d.keys(&prefix).contains(&key);
+    // A Cluster lane is one connection per master: the retry went after the first attempt on
+    // it, so the first attempt landed before its retry, not after the release.
+    assert!(
+        landed || may_land_first,
+        "the first attempt did not land after the release"
+    );
     until(Duration::from_secs(10), "the late grant given back", || {
-        server.command(&["EXISTS", key]).unwrap().starts_with(":0")
+        !d.keys(&prefix).contains(&key)
     })
     .await;
-    let other = LockManager::builder()
-        .redis_url(server.url())
-        .key_prefix("late-first:")
-        .build()
-        .await
-        .unwrap();
-    other
-        .lock("k")
-        .acquire()
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    let other = d.manager(&prefix).await;
+    let taken = other.lock("k").try_acquire().await.unwrap();
+    taken.expect("the key is free").release().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_set_whose_nested_hold_ends_while_it_waits_is_refused() {
-    let server = shared_server();
+async fn a_set_whose_nested_hold_ends_while_it_waits_is_refused(d: &Deployment) {
     let prefix = unique_prefix("seams-set-nested-expiring");
     let (a, b, c) = (
-        manager(&server, &prefix).await,
-        manager(&server, &prefix).await,
-        manager(&server, &prefix).await,
+        d.manager(&prefix).await,
+        d.manager(&prefix).await,
+        d.manager(&prefix).await,
     );
     let blocker = c
         .lock("j")

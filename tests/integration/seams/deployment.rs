@@ -1,0 +1,163 @@
+//! The deployments the seams are checked on: one server, a Cluster of three masters, a master
+//! behind Sentinels, RedLock over three masters; and, for the late attempts, the same behind
+//! fault proxies.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use distlock::testing::{FaultProxy, RedisServer};
+use distlock::{LockManager, LockManagerBuilder};
+
+use crate::support::{self, SentinelGroup};
+
+/// The servers of one deployment.
+enum Servers {
+    Single(Arc<RedisServer>),
+    Cluster(Vec<RedisServer>),
+    Sentinel(SentinelGroup),
+    RedLock(Vec<RedisServer>),
+}
+
+/// A deployment, and what a test needs of it beside its managers: removing a key behind
+/// distlock's back, and listing what is left.
+pub(super) struct Deployment {
+    servers: Servers,
+    /// A proxy in front of every data node, for [`through_proxies`](Self::through_proxies).
+    proxies: Vec<FaultProxy>,
+}
+
+impl Deployment {
+    /// The test binary's shared server.
+    pub(super) fn single() -> Self {
+        Self::of(Servers::Single(support::shared_server()))
+    }
+
+    /// One server of its own (its faults reach no other test).
+    pub(super) fn own_server() -> Self {
+        Self::of(Servers::Single(Arc::new(
+            RedisServer::start().expect("redis-server starts"),
+        )))
+    }
+
+    pub(super) fn cluster() -> Self {
+        Self::of(Servers::Cluster(
+            RedisServer::start_cluster(3).expect("a cluster starts"),
+        ))
+    }
+
+    pub(super) fn sentinel() -> Self {
+        let group = SentinelGroup::start("seams");
+        group.wait_until_ready();
+        Self::of(Servers::Sentinel(group))
+    }
+
+    pub(super) fn redlock() -> Self {
+        Self::of(Servers::RedLock(support::redlock_masters(3)))
+    }
+
+    fn of(servers: Servers) -> Self {
+        Self {
+            servers,
+            proxies: Vec::new(),
+        }
+    }
+
+    /// Puts a fault proxy in front of every data node; managers built by
+    /// [`proxied`](Self::proxied) talk through them. A Cluster's nodes announce their proxies
+    /// (`cluster-announce-port`), so that the slot map leads there too.
+    pub(super) fn through_proxies(mut self) -> Self {
+        self.proxies = (self.data().iter())
+            .map(|node| FaultProxy::start(node.port()).expect("a proxy starts"))
+            .collect();
+        if let Servers::Cluster(nodes) = &self.servers {
+            for (node, proxy) in nodes.iter().zip(&self.proxies) {
+                let port = proxy.port().to_string();
+                node.command(&["CONFIG", "SET", "cluster-announce-port", &port])
+                    .expect("CONFIG SET cluster-announce-port");
+            }
+            let ports: Vec<String> = self.proxies.iter().map(|p| p.port().to_string()).collect();
+            let started = Instant::now();
+            // Every node's slot map names the proxies once the change has been gossiped.
+            while !nodes.iter().all(|node| {
+                let slots = node.command(&["CLUSTER", "SLOTS"]).unwrap_or_default();
+                ports
+                    .iter()
+                    .all(|port| slots.lines().any(|l| l.trim_start_matches(':') == port))
+            }) {
+                assert!(
+                    started.elapsed() < Duration::from_secs(20),
+                    "the cluster's slot map never named the proxies"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        self
+    }
+
+    /// The proxies of [`through_proxies`](Self::through_proxies).
+    pub(super) fn proxies(&self) -> &[FaultProxy] {
+        &self.proxies
+    }
+
+    /// Where the locks live: the server, every Cluster node, the Sentinels' master, or every
+    /// RedLock master.
+    pub(super) fn data(&self) -> Vec<&RedisServer> {
+        match &self.servers {
+            Servers::Single(server) => vec![server.as_ref()],
+            Servers::Cluster(nodes) | Servers::RedLock(nodes) => nodes.iter().collect(),
+            Servers::Sentinel(group) => vec![group.master.as_ref()],
+        }
+    }
+
+    /// A builder for this deployment (straight to the servers).
+    pub(super) fn builder(&self) -> LockManagerBuilder {
+        match &self.servers {
+            Servers::Single(server) => support::single(server.url()),
+            Servers::Cluster(nodes) => support::cluster(nodes),
+            Servers::Sentinel(group) => group.builder(),
+            Servers::RedLock(masters) => support::redlock(masters),
+        }
+    }
+
+    /// A builder whose manager talks through the proxies.
+    pub(super) fn proxied(&self) -> LockManagerBuilder {
+        let urls = self.proxies.iter().map(FaultProxy::url);
+        match &self.servers {
+            Servers::Single(_) => support::single(self.proxies[0].url()),
+            Servers::Cluster(_) => LockManager::builder().cluster(urls),
+            Servers::RedLock(_) => LockManager::builder().redlock(urls),
+            Servers::Sentinel(_) => panic!("a Sentinel deployment has no proxies"),
+        }
+    }
+
+    /// A manager under `prefix`, with short timeouts.
+    pub(super) async fn manager(&self, prefix: &str) -> LockManager {
+        support::connect(support::quick(self.builder(), prefix)).await
+    }
+
+    /// Whether locks here can carry fencing tokens (not on RedLock).
+    pub(super) fn fences(&self) -> bool {
+        !matches!(self.servers, Servers::RedLock(_))
+    }
+
+    /// Removes the lock `key` under `prefix` behind distlock's back, as an operator or an
+    /// eviction would, wherever it lives.
+    pub(super) fn delete(&self, prefix: &str, key: &str) {
+        let name = format!("{prefix}{{{key}}}");
+        for node in self.data() {
+            // A Cluster node that does not own the slot answers with a redirection.
+            let _ = node.command(&["DEL", &name]);
+        }
+        assert!(
+            !self.keys(prefix).contains(&name),
+            "{name} is still there after DEL"
+        );
+    }
+
+    /// The keys under `prefix`, on every data node.
+    pub(super) fn keys(&self, prefix: &str) -> Vec<String> {
+        (self.data().into_iter())
+            .flat_map(|node| support::keys(node, prefix))
+            .collect()
+    }
+}
