@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use crate::LockError;
 use crate::backend::HoldIds;
 use crate::context::Held;
-use crate::holds::{Listing, Live};
+use crate::holds::{KeepUntil, Listing, Live};
 use crate::lease::{LeaseState, check_ttl};
 use crate::manager::LockManager;
 use crate::release::{Resend, Unanswered};
@@ -56,9 +56,10 @@ pub struct LockGuard {
 
 impl LockGuard {
     pub(crate) fn new(parts: Parts) -> Self {
+        let held = Arc::downgrade(&parts.held);
         let live = Live {
             ids: parts.held.ids.clone(),
-            keep_until: parts.held.keep_until(),
+            keep_until: KeepUntil::new(move || held.upgrade().and_then(|held| held.keep_until())),
             lease: parts.lease.clone(),
         };
         let listing = parts.manager.inner.holds.list([live]);
@@ -306,15 +307,15 @@ impl Drop for LockGuard {
         self.parts.span.end(shutdown, lost);
         self.parts.renewal = None;
         if self.unlist() && self.parts.held.leave() {
-            self.give_back_in_background(self.parts.held.keep_until());
+            self.give_back_in_background(self.parts.held.keep_until(), false);
         }
     }
 }
 
 impl Resend for LockGuard {
     fn resend(&self) {
-        // Its answer settles the run's checks.
-        self.give_back_in_background(self.parts.held.keep_until());
+        // Its answer settles the run's checks; the release dropped may have landed.
+        self.give_back_in_background(self.parts.held.keep_until(), true);
     }
 }
 

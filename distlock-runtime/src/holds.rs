@@ -18,8 +18,31 @@ use crate::lease::LeaseState;
 #[derive(Debug)]
 pub(crate) struct Live {
     pub(crate) ids: Arc<HoldIds>,
-    pub(crate) keep_until: Option<Instant>,
+    /// Until when its key is kept (`min_hold`), read when it is given back: a hold nested in
+    /// it since it was listed may have asked for longer.
+    pub(crate) keep_until: KeepUntil,
     pub(crate) lease: Arc<LeaseState>,
+}
+
+/// Reads a hold's `min_hold` end as it is now.
+pub(crate) struct KeepUntil(Box<dyn Fn() -> Option<Instant> + Send + Sync>);
+
+impl KeepUntil {
+    /// Reads it with `read`.
+    pub(crate) fn new(read: impl Fn() -> Option<Instant> + Send + Sync + 'static) -> Self {
+        Self(Box::new(read))
+    }
+
+    /// Until when the key is kept, now.
+    pub(crate) fn now(&self) -> Option<Instant> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for KeepUntil {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("KeepUntil").field(&self.now()).finish()
+    }
 }
 
 /// Every hold of one manager that is still to be given back, and whether it shut down.
@@ -145,7 +168,7 @@ mod tests {
         };
         Live {
             ids: Arc::new(ids),
-            keep_until: None,
+            keep_until: KeepUntil::new(|| None),
             lease: Arc::new(LeaseState::new(Instant::now(), Duration::from_secs(10))),
         }
     }

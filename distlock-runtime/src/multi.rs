@@ -17,7 +17,7 @@ use crate::backend::{AcquireAnswer, HoldIds, SetKey, SetRequest};
 use crate::context::{Held, HoldKind};
 use crate::engine::{Ask, Engine, Won};
 use crate::guard::Acquired;
-use crate::holds::{Listing, Live};
+use crate::holds::{KeepUntil, Listing, Live};
 use crate::key::Keys;
 use crate::lease::{LeaseState, check_ttl, keep_from};
 use crate::lock::{self, new_token};
@@ -219,10 +219,13 @@ fn grant_set(
         let _ = one.set.set(sharers.clone());
     }
     // Each lock listed as the first hold it is, for shutdown to give back.
-    let listing = inner.holds.list(holds.iter().map(|ids| Live {
-        ids: ids.clone(),
-        keep_until: None,
-        lease: lease.clone(),
+    let listing = inner.holds.list(holds.iter().zip(&held).map(|(ids, one)| {
+        let one = Arc::downgrade(one);
+        Live {
+            ids: ids.clone(),
+            keep_until: KeepUntil::new(move || one.upgrade().and_then(|one| one.keep_until())),
+            lease: lease.clone(),
+        }
     }));
     // One renewal for the whole set: its lease goes on only if every lock was renewed.
     let renewals: Vec<Registration> =
@@ -663,7 +666,11 @@ struct Giving<'g> {
 
 impl Resend for Giving<'_> {
     fn resend(&self) {
-        let known = Known::hold(self.lease.clone());
+        // The release dropped may have landed.
+        let known = Known {
+            resent: true,
+            ..Known::hold(self.lease.clone())
+        };
         (self.inner.releaser()).in_background(self.given.clone(), known);
     }
 }

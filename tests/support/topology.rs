@@ -7,7 +7,7 @@ use std::borrow::Borrow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use distlock::testing::RedisServer;
+use distlock::testing::{FaultProxy, RedisServer};
 use distlock::{LockManager, LockManagerBuilder};
 
 /// The connect and response timeouts of `quick`: short, so that faults show quickly.
@@ -64,6 +64,36 @@ pub fn cluster<S: Borrow<RedisServer>>(nodes: &[S]) -> LockManagerBuilder {
 /// A manager on the cluster of `nodes` under `prefix`, with the default timeouts.
 pub async fn cluster_manager<S: Borrow<RedisServer>>(nodes: &[S], prefix: &str) -> LockManager {
     connect(cluster(nodes).key_prefix(prefix)).await
+}
+
+/// A fault proxy in front of each of a cluster's `nodes`, which announce it
+/// (`cluster-announce-port`): once this returns, every node's slot map names the proxies,
+/// so that every client of the cluster, whichever seeds it was given, talks through them.
+pub fn announce_proxies(nodes: &[RedisServer]) -> Vec<FaultProxy> {
+    let proxies: Vec<FaultProxy> = (nodes.iter())
+        .map(|node| FaultProxy::start(node.port()).expect("a proxy starts"))
+        .collect();
+    for (node, proxy) in nodes.iter().zip(&proxies) {
+        let port = proxy.port().to_string();
+        node.command(&["CONFIG", "SET", "cluster-announce-port", &port])
+            .expect("CONFIG SET cluster-announce-port");
+    }
+    let ports: Vec<String> = proxies.iter().map(|p| format!(":{}", p.port())).collect();
+    let started = Instant::now();
+    // Every node's slot map names the proxies once the change has been gossiped.
+    while !nodes.iter().all(|node| {
+        let slots = node.command(&["CLUSTER", "SLOTS"]).unwrap_or_default();
+        ports
+            .iter()
+            .all(|port| slots.lines().any(|l| l.trim() == port))
+    }) {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the cluster's slot map never named the proxies"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    proxies
 }
 
 /// The master that the Sentinels at `sentinels` know as `name`.

@@ -101,6 +101,9 @@ pub(crate) struct Cover<'a, A: Ask> {
     intent_left: bool,
     /// Until when an attempt whose answer never came may still reach the server.
     pub(super) late_until: Option<Instant>,
+    /// The request won the lock under its own token (granted, or handed over through the
+    /// server): the guard's release covers what a late attempt may take.
+    won: bool,
 }
 
 impl<'a, A: Ask> Cover<'a, A> {
@@ -112,6 +115,7 @@ impl<'a, A: Ask> Cover<'a, A> {
             maybe_held: false,
             intent_left: false,
             late_until: None,
+            won: false,
         }
     }
 
@@ -139,6 +143,7 @@ impl<'a, A: Ask> Cover<'a, A> {
 
     /// What an attempt's answer leaves to cover.
     fn answered(&mut self, answer: &redis::RedisResult<AcquireAnswer<A::Fences>>) {
+        self.won = matches!(answer, Ok(AcquireAnswer::Held(_)));
         self.maybe_held = match answer {
             // The guard built from it gives it back.
             Ok(AcquireAnswer::Held(_)) => false,
@@ -160,6 +165,7 @@ impl<'a, A: Ask> Cover<'a, A> {
     pub(super) fn claimed(&mut self, handed: &Handed) {
         if !handed.is_local() {
             self.maybe_held = false;
+            self.won = true;
         }
     }
 
@@ -194,7 +200,12 @@ impl<A: Ask> Drop for Cover<'_, A> {
             .intent()
             .filter(|_| self.intent_left || self.maybe_held)
             .map(str::to_owned);
-        if self.maybe_held {
+        // An attempt whose answer never came may still land, even after a later one was
+        // answered: unless the request won under its own token (its guard covers that), what
+        // it may take is given back behind it, and once more when it no longer can. A hold
+        // passed on locally keeps its giver's token: this request's is nobody's.
+        let late = !self.won && self.late_until.is_some_and(|late| late > Instant::now());
+        if self.maybe_held || late {
             self.ask.release_behind(self.inner, intent);
         } else if let Some(intent) = intent {
             self.ask.withdraw_intent(self.inner, intent);

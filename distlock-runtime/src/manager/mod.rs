@@ -209,7 +209,7 @@ impl LockManager {
         }
         let releaser = inner.releaser();
         let releases = inner.holds.shut_down().into_iter().map(|hold| {
-            let given = OneHold::new(hold.ids, hold.keep_until);
+            let given = OneHold::new(hold.ids, hold.keep_until.now());
             let known = Known::hold(hold.lease);
             releaser.driver.run(releaser.clone().logged(given, known))
         });
@@ -280,6 +280,7 @@ impl<'a> From<&'a Arc<Inner>> for Through<'a> {
         Self {
             driver: &inner.driver,
             backend: &inner.backend,
+            waiters: &inner.waiters,
         }
     }
 }

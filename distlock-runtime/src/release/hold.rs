@@ -53,9 +53,9 @@ impl LockGuard {
     }
 
     /// The hold this guard gives back, from the manager's runtime (dropped, or its release
-    /// future dropped before the answer).
-    pub(crate) fn give_back_in_background(&self, keep_until: Option<Instant>) {
-        let known = self.known(false);
+    /// future dropped before the answer: `resent`, as the release dropped may have landed).
+    pub(crate) fn give_back_in_background(&self, keep_until: Option<Instant>, resent: bool) {
+        let known = self.known(resent);
         (self.parts.manager.inner.releaser())
             .in_background(OneHold::new(self.ids(), keep_until), known);
     }

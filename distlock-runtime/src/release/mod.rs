@@ -229,6 +229,16 @@ impl GiveBack for SetRelease {
     }
 }
 
+/// The error of a release that found `lock` gone after a send whose reply was lost: it may
+/// have given the lock back, or the lock was gone before.
+fn not_known(lock: &str) -> redis::RedisError {
+    redis::RedisError::from((
+        redis::ErrorKind::Io,
+        "release outcome unknown",
+        format!("{lock} was gone when the release was sent again after a lost reply"),
+    ))
+}
+
 /// What a release knows of what it gives back, beyond its locks.
 #[derive(Debug, Default)]
 pub(crate) struct Known {
@@ -308,14 +318,16 @@ impl Releaser {
     /// The loop of [`give_back`](Self::give_back).
     async fn send_and_settle<G: GiveBack>(&self, given: &G, known: &Known) -> Outcome {
         let lease_lost = || known.lease.as_ref().is_some_and(|lease| lease.is_lost());
+        let lost_before = lease_lost();
         let mut resent = known.resent;
-        loop {
+        for sends in 1.. {
             let sent = Instant::now();
             let freed = match given.send(&self.backend).await {
                 Ok(freed) => freed,
-                Err(error) => match settle(Reply::of_error(&error), resent, lease_lost()) {
-                    Step::SendAgain => {
-                        resent = true;
+                Err(error) => match settle(Reply::of_error(&error), resent, lost_before) {
+                    // Twice at most: the second failure is the answer.
+                    Step::SendAgain if sends < 2 => {
+                        resent |= Reply::of_error(&error) == Reply::Silence;
                         continue;
                     }
                     _ => {
@@ -324,21 +336,24 @@ impl Releaser {
                     }
                 },
             };
-            let lost = lease_lost();
             let mut outcome = Outcome::Released;
             for (at, freed) in freed.iter().enumerate() {
                 let reply = match freed {
                     Answer::NotHeld => Reply::NotHeld,
                     _ => Reply::Given,
                 };
-                if settle(reply, resent, lost) == Step::Lost && matches!(outcome, Outcome::Released)
-                {
-                    outcome = Outcome::Lost(at);
+                match (settle(reply, resent, lost_before), &outcome) {
+                    (Step::Lost, Outcome::Released) => outcome = Outcome::Lost(at),
+                    (Step::Unknown, Outcome::Released | Outcome::Lost(_)) => {
+                        outcome = Outcome::Unknown(not_known(given.lock(at)));
+                    }
+                    _ => {}
                 }
                 self.owe(given, at, freed, sent, known.hold);
             }
             return outcome;
         }
+        unreachable!("the loop returns by its second send")
     }
 
     /// What a release owes once Redis told what it did with lock `at` (sent at `sent`):

@@ -10,6 +10,8 @@ pub(crate) enum Reply {
     NotHeld,
     /// No reply came: the connection failed after the release may have been sent.
     Silence,
+    /// Nothing was sent: no connection could be made (refused, or not found).
+    Unsent,
     /// The server refused the release, or could not be reached at all.
     Refused,
 }
@@ -27,18 +29,21 @@ pub(crate) enum Step {
     Unknown,
 }
 
-/// How a release goes on after `reply`: `resent` when this reply answers a release sent
-/// again, and `lease_lost` when the lease is known to have ended.
+/// How a release goes on after `reply`: `resent` when a release sent before this one may
+/// have reached the server (its reply was lost), and `lease_lost` when the lease was known to
+/// have ended before.
 ///
-/// A lost reply is sent again once. A resent release that finds the lock gone while its
-/// lease still ran was given back by the first one, whose reply was lost; found gone
-/// otherwise, the lease was lost.
+/// A release that was lost on its way, or never sent, is sent once more. A resent release
+/// that finds the lock gone cannot tell whether the first one gave it back or whether it was
+/// gone before (taken by an operator, lost in a failover, run out): unknown, never released,
+/// unless the lease had ended anyway.
 pub(crate) fn settle(reply: Reply, resent: bool, lease_lost: bool) -> Step {
     match reply {
         Reply::Given => Step::Released,
-        Reply::NotHeld if resent && !lease_lost => Step::Released,
+        Reply::NotHeld if resent && !lease_lost => Step::Unknown,
         Reply::NotHeld => Step::Lost,
-        Reply::Silence if !resent => Step::SendAgain,
+        Reply::Silence | Reply::Unsent if !resent => Step::SendAgain,
+        Reply::Unsent => Step::SendAgain,
         Reply::Silence | Reply::Refused => Step::Unknown,
     }
 }
@@ -46,9 +51,12 @@ pub(crate) fn settle(reply: Reply, resent: bool, lease_lost: bool) -> Step {
 impl Reply {
     /// The reply of a release that failed with `error`.
     pub(crate) fn of_error(error: &redis::RedisError) -> Self {
-        match error.is_io_error() {
-            true => Self::Silence,
-            false => Self::Refused,
+        if error.is_connection_refusal() {
+            Self::Unsent
+        } else if error.is_io_error() {
+            Self::Silence
+        } else {
+            Self::Refused
         }
     }
 }
@@ -69,14 +77,18 @@ mod tests {
             (Given, false, true, Released),
             (NotHeld, false, false, Lost),
             (NotHeld, false, true, Lost),
-            // The first release gave it back before its reply was lost.
-            (NotHeld, true, false, Released),
-            // Or the lease ran out meanwhile: nobody can tell the two apart, so it is lost.
+            // The first release gave it back before its reply was lost, or the lock was gone
+            // before (an operator, a failover): nobody can tell the two apart.
+            (NotHeld, true, false, Unknown),
+            // The lease had ended before: lost either way.
             (NotHeld, true, true, Lost),
             (Silence, false, false, SendAgain),
             (Silence, false, true, SendAgain),
             (Silence, true, false, Unknown),
             (Silence, true, true, Unknown),
+            // Never sent: sent again, as the first (the loop sends twice at most).
+            (Unsent, false, false, SendAgain),
+            (Unsent, true, false, SendAgain),
             (Refused, false, false, Unknown),
             (Refused, true, true, Unknown),
         ];
@@ -95,5 +107,8 @@ mod tests {
         assert_eq!(Reply::of_error(&reset), Reply::Silence);
         let refused = redis::RedisError::from((redis::ErrorKind::Client, "refused"));
         assert_eq!(Reply::of_error(&refused), Reply::Refused);
+        let unreachable =
+            redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert_eq!(Reply::of_error(&unreachable), Reply::Unsent);
     }
 }

@@ -32,6 +32,7 @@ use crate::backend::{Backend, HoldIds};
 use crate::context::Held;
 use crate::driver::Driver;
 use crate::lease::{LeaseState, saturating_add};
+use crate::waiters::Waiters;
 
 mod behind;
 mod renew;
@@ -129,12 +130,14 @@ pub(crate) struct Renewable {
     pub(crate) metrics: crate::metrics::Labels,
 }
 
-/// What renewals go through: the manager's driver, which runs the watchdog's task, and its
-/// backend, which that task renews through.
+/// What renewals go through: the manager's driver, which runs the watchdog's task, its
+/// backend, which that task renews through, and its waiters, woken when a lease is found
+/// lost (a lock taken away without a word: nobody else tells them).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Through<'a> {
     pub(crate) driver: &'a Driver,
     pub(crate) backend: &'a Backend,
+    pub(crate) waiters: &'a Waiters,
 }
 
 /// Counters of the renewal work done by a manager.
@@ -272,8 +275,12 @@ impl Watchdog {
             (id, !std::mem::replace(&mut leases.running, true), wake)
         };
         if start {
-            let Through { driver, backend } = through.into();
-            driver.spawn(run(self.shared.clone(), backend.clone()));
+            let Through {
+                driver,
+                backend,
+                waiters,
+            } = through.into();
+            driver.spawn(run(self.shared.clone(), backend.clone(), waiters.clone()));
         } else if wake {
             self.shared.wake.notify_one();
         }
@@ -294,7 +301,7 @@ struct Due {
 }
 
 /// The watchdog task: ends when no lease is left, or with the manager's runtime.
-async fn run(shared: Arc<Renewals>, backend: Backend) {
+async fn run(shared: Arc<Renewals>, backend: Backend, waiters: Waiters) {
     loop {
         // Registered before the look: a registration made after it wakes the sleep below.
         let wake = shared.wake.notified();
@@ -316,7 +323,7 @@ async fn run(shared: Arc<Renewals>, backend: Backend) {
             (due, next_wake)
         };
         if !due.is_empty() {
-            renew(&shared, &backend, due).await;
+            renew(&shared, &backend, &waiters, due).await;
             continue;
         }
         let sleep = tokio::time::sleep_until(next_wake.into());

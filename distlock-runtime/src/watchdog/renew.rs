@@ -8,10 +8,11 @@ use std::time::{Duration, Instant};
 
 use super::{BATCH, Due, IN_FLIGHT, Leases, Renewals};
 use crate::backend::{Backend, HoldIds, Renewal};
+use crate::waiters::Waiters;
 
 /// Renews `due`, [`BATCH`] leases per call, up to [`IN_FLIGHT`] calls at once (on Cluster,
 /// each call goes to every node its leases are on, at once).
-pub(super) async fn renew(shared: &Renewals, backend: &Backend, due: Vec<Due>) {
+pub(super) async fn renew(shared: &Renewals, backend: &Backend, waiters: &Waiters, due: Vec<Due>) {
     use futures_util::StreamExt;
     let mut batches = due.chunks(BATCH);
     let mut in_flight = futures_util::stream::FuturesUnordered::new();
@@ -20,7 +21,7 @@ pub(super) async fn renew(shared: &Renewals, backend: &Backend, due: Vec<Due>) {
             let Some(batch) = batches.next() else {
                 break;
             };
-            in_flight.push(renew_batch(shared, backend, batch));
+            in_flight.push(renew_batch(shared, backend, waiters, batch));
         }
         if in_flight.next().await.is_none() {
             return;
@@ -29,7 +30,7 @@ pub(super) async fn renew(shared: &Renewals, backend: &Backend, due: Vec<Due>) {
 }
 
 /// Renews one batch of due leases in one call.
-async fn renew_batch(shared: &Renewals, backend: &Backend, batch: &[Due]) {
+async fn renew_batch(shared: &Renewals, backend: &Backend, waiters: &Waiters, batch: &[Due]) {
     {
         let sent = Instant::now();
         // What each lease renews, taken once: a nested hold's set may change meanwhile.
@@ -47,7 +48,13 @@ async fn renew_batch(shared: &Renewals, backend: &Backend, batch: &[Due]) {
             .collect();
         shared.counters.round_trips.fetch_add(1, Ordering::Relaxed);
         match backend.renew(&items).await {
-            Ok(results) => settle(shared, batch, &holds, results, sent),
+            Ok(results) => {
+                // Each lock of a lease found lost: its waiters here, queued behind its holder,
+                // ask the server now (a key deleted under its holder announces nothing).
+                for hold in settle(shared, batch, &holds, results, sent) {
+                    waiters.released(&hold.wake);
+                }
+            }
             // Try again soon; the local deadline reports the loss if Redis stays away.
             Err(error) => {
                 tracing::warn!(%error, leases = batch.len(), "lease renewal failed");
@@ -71,7 +78,8 @@ fn settle(
     holds: &[Cow<'_, [Arc<HoldIds>]>],
     results: Vec<Option<bool>>,
     sent: Instant,
-) {
+) -> Vec<Arc<HoldIds>> {
+    let mut lost = Vec::new();
     let mut leases = shared.lock();
     let mut results = results.into_iter();
     let mut unanswered = 0;
@@ -105,6 +113,7 @@ fn settle(
             tracing::warn!(lock = %lease.hold.lock(), renewed, "lease lost: renewal found another owner or no key, or came too late");
             // Marked first: a loss that is counted is already seen by the guard.
             lease.state.mark_lost();
+            lost.extend(holds.iter().cloned());
             shared.counters.lost.fetch_add(1, Ordering::Release);
             crate::metrics::renewal(lease.metrics, crate::metrics::RenewalOutcome::Lost);
         } else if !renewed {
@@ -119,6 +128,7 @@ fn settle(
             "lease renewal failed on part of the cluster"
         );
     }
+    lost
 }
 
 /// Plans the next renewal of `lease` soon: its renewal was not answered.

@@ -47,24 +47,19 @@ pub(super) async fn monitor(
             // Every release answered `Ok` has arrived: a plain lock whose owner left the
             // history (released, dropped, cancelled) is gone within moments, not at its lease's
             // end. Through faults a release may go unanswered, and then the lease runs out.
-            let owner = match (&world.probe, pttl) {
-                (Probe::One(conn), Some(ms)) if ms > 0 => {
-                    owner_of(&mut conn.clone(), &locks.redis_key(key)).await
-                }
-                _ => None,
+            // (On RedLock, on any master: a late attempt may land on a few only.)
+            let owners = match pttl {
+                Some(ms) if ms > 0 => world.probe.owners(&locks.redis_key(key)).await,
+                _ => Vec::new(),
             };
             let now = Instant::now();
             let mut state = world.history.lock();
             state.liveness_samples += 1;
-            match owner {
-                Some(owner)
-                    if !state
-                        .holders
-                        .get(key)
-                        .into_iter()
-                        .flatten()
-                        .any(|h| h.owner == owner) =>
-                {
+            let holds = |owner: &String| {
+                (state.holders.get(key).into_iter().flatten()).any(|h| h.owner == *owner)
+            };
+            match owners.into_iter().find(|owner| !holds(owner)) {
+                Some(owner) => {
                     let since = match orphaned.get(key) {
                         Some((o, since)) if *o == owner => *since,
                         _ => {
@@ -133,34 +128,6 @@ pub(super) async fn monitor(
         }
         starved_sets(&world, &mut free_in_redis);
     }
-}
-
-/// The owner of the exclusive or write lock at `lock`, in either form (a plain lock's
-/// string, or a hash whose field is the owner token); `None` for any other kind (whose
-/// shares have leases of their own) or a marker.
-async fn owner_of(conn: &mut redis::aio::MultiplexedConnection, lock: &str) -> Option<String> {
-    let plain = redis::cmd("GET")
-        .arg(lock)
-        .query_async::<Option<String>>(conn)
-        .await;
-    if let Ok(owner) = plain {
-        return owner;
-    }
-    let fields: Vec<String> = redis::cmd("HKEYS").arg(lock).query_async(conn).await.ok()?;
-    if fields.iter().any(|f| f == "mode") {
-        let mode: Option<String> = redis::cmd("HGET")
-            .arg(lock)
-            .arg("mode")
-            .query_async(conn)
-            .await
-            .ok()?;
-        if mode.as_deref() != Some("write") {
-            return None;
-        }
-    }
-    fields
-        .into_iter()
-        .find(|f| !matches!(f.as_str(), "mode" | "fence" | "permits") && !f.contains(':'))
 }
 
 /// A set sleeping in `acquire()` can only enter once every one of its keys is free: all of them

@@ -268,7 +268,7 @@ pub(super) async fn single_with_faults(seed: u64, target: u64, run: &Run) {
                     std::thread::sleep(Duration::from_millis(300));
                     p.reset();
                 }
-                3 => late_attempts(&p, &history, rng),
+                3 => late_attempts(std::slice::from_ref(&p), &history, rng),
                 1 => {
                     p.set(Fault::Blackhole);
                     std::thread::sleep(Duration::from_millis(rng.u64(50..700)));
@@ -288,12 +288,13 @@ pub(super) async fn single_with_faults(seed: u64, target: u64, run: &Run) {
     world.history.report(seed, "one server, faults");
 }
 
-/// Holds back what the proxied manager sends in a short window far past its response
-/// timeout, and lets everything through after: its attempts in that window time out, their
-/// retries are granted on another connection (and released), and then the attempts land. The
-/// network stops no release, so no key may stay owned by a token whose release was answered
-/// (see `History::orphaned`); quiet before and after, so that no other fault excuses one.
-fn late_attempts(proxy: &FaultProxy, history: &History, rng: &mut fastrand::Rng) {
+/// Holds back what the proxied managers send through `proxies` in a short window far past
+/// their response timeout, and lets everything through after: their attempts in that window
+/// time out, their retries are granted on another connection (and released), and then the
+/// attempts land (on a Cluster lane, one connection per master, before the retry). The network
+/// stops no release, so no key may stay owned by a token whose release was answered (see
+/// `History::orphaned`); quiet before and after, so that no other fault excuses one.
+fn late_attempts(proxies: &[Arc<FaultProxy>], history: &History, rng: &mut fastrand::Rng) {
     // Past the recovery of the fault before (its window covers this wait too: a connection
     // that fault reset is found dead only when next used).
     std::thread::sleep(RECOVERY);
@@ -306,11 +307,15 @@ fn late_attempts(proxy: &FaultProxy, history: &History, rng: &mut fastrand::Rng)
         push_recent(&mut state, event);
         window
     };
-    proxy.set(Fault::Latency(delay));
+    let set = |fault| proxies.iter().for_each(|proxy| proxy.set(fault));
+    set(Fault::Latency(delay));
     std::thread::sleep(Duration::from_millis(rng.u64(100..300)));
-    proxy.set(Fault::Pass);
+    set(Fault::Pass);
     // What was held back arrives until then: that is the window waiters are allowed.
-    std::thread::sleep(delay);
+    let bound = Instant::now() + delay + RECOVERY;
+    while proxies.iter().any(|proxy| proxy.held_back() > 0) && Instant::now() < bound {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     history.lock().fault_windows[window].1 = Some(Instant::now());
     std::thread::sleep(ORPHANED + RECOVERY * 2);
 }
@@ -362,13 +367,15 @@ pub(super) async fn sentinel_with_faults(seed: u64, target: u64, run: &Run) {
     world.history.report(seed, "Sentinel, faults");
 }
 
-/// Three masters; one of them is paused now and then (the keys spread over all three).
+/// Three masters; one of them is paused now and then (the keys spread over all three), or
+/// what every manager sends held back past its retry (the nodes announce proxies in front of
+/// them).
 pub(super) async fn cluster_with_faults(seed: u64, target: u64, run: &Run) {
-    let nodes: Vec<Arc<RedisServer>> = RedisServer::start_cluster(3)
-        .unwrap()
-        .into_iter()
+    let nodes = RedisServer::start_cluster(3).unwrap();
+    let proxies: Vec<Arc<FaultProxy>> = (support::announce_proxies(&nodes).into_iter())
         .map(Arc::new)
         .collect();
+    let nodes: Vec<Arc<RedisServer>> = nodes.into_iter().map(Arc::new).collect();
     let prefix = support::unique_prefix("long-cluster");
     let mut managers = Vec::new();
     for _ in 0..run.managers {
@@ -388,8 +395,11 @@ pub(super) async fn cluster_with_faults(seed: u64, target: u64, run: &Run) {
         probe: Probe::Cluster(raws(nodes.iter().map(|n| n.url())).await),
     };
     let stop = Arc::new(AtomicBool::new(false));
-    let paused = nodes.clone();
+    let (paused, history) = (nodes.clone(), world.history.clone());
     let injector = faults_in_background(world.history.clone(), seed, stop.clone(), move |rng| {
+        if rng.u8(..4) == 0 {
+            return late_attempts(&proxies, &history, rng);
+        }
         let node = &paused[rng.usize(..paused.len())];
         let _ = node.pause();
         std::thread::sleep(Duration::from_millis(rng.u64(20..150)));
@@ -404,18 +414,25 @@ pub(super) async fn cluster_with_faults(seed: u64, target: u64, run: &Run) {
 }
 
 /// RedLock over three masters; one master at a time is paused, or killed and restarted
-/// empty (a minority: the quorum rule and the restart delay keep exclusion).
+/// empty (a minority: the quorum rule and the restart delay keep exclusion), or what the last
+/// manager sends (through a proxy in front of every master) held back past its retry.
 pub(super) async fn redlock_with_faults(seed: u64, target: u64, run: &Run) {
     let masters: Vec<Arc<RedisServer>> = support::redlock_masters(3)
         .into_iter()
         .map(Arc::new)
         .collect();
+    let proxies: Vec<Arc<FaultProxy>> = (masters.iter())
+        .map(|master| Arc::new(FaultProxy::start(master.port()).unwrap()))
+        .collect();
     let prefix = support::unique_prefix("long-redlock");
     let mut managers = Vec::new();
-    for _ in 0..run.managers {
+    for m in 0..run.managers {
+        let builder = match m + 1 == run.managers {
+            true => LockManager::builder().redlock(proxies.iter().map(|p| p.url())),
+            false => support::redlock(&masters),
+        };
         // Longer than any lease the programs take there.
-        let builder =
-            support::redlock(&masters).redlock_restart_delay(Duration::from_millis(2_500));
+        let builder = builder.redlock_restart_delay(Duration::from_millis(2_500));
         managers.push(support::connect(support::quick(builder, &prefix)).await);
     }
     let world = World {
@@ -436,7 +453,10 @@ pub(super) async fn redlock_with_faults(seed: u64, target: u64, run: &Run) {
     let injector = faults_in_background(world.history.clone(), seed, stop.clone(), move |rng| {
         let which = rng.usize(..faulted.len());
         let node = &faulted[which];
-        if rng.u8(..4) == 0 {
+        let draw = rng.u8(..5);
+        if draw == 4 {
+            late_attempts(&proxies, &history, rng);
+        } else if draw == 0 {
             let _ = node.restart();
             let event = format!("{:?} master {which} restarted empty", Instant::now());
             push_recent(&mut history.lock(), event);

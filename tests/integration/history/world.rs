@@ -73,6 +73,25 @@ impl Probe {
         }
     }
 
+    /// The owners of the exclusive or write lock at `key` (see `owner_of`), on every master
+    /// that answers within 200 ms and has one (a Cluster master that does not own the key
+    /// redirects, and has none).
+    pub(super) async fn owners(&self, key: &str) -> Vec<String> {
+        let asks = self.connections().iter().map(|conn| {
+            let mut conn = conn.clone();
+            async move {
+                let owner = owner_of(&mut conn, key);
+                (tokio::time::timeout(Duration::from_millis(200), owner).await).unwrap_or(None)
+            }
+        });
+        let mut owners: Vec<String> = (futures_util::future::join_all(asks).await)
+            .into_iter()
+            .flatten()
+            .collect();
+        owners.dedup();
+        owners
+    }
+
     /// Deletes the lock key wherever `owner` still holds it, and wakes its waiters (as an
     /// operator's `DEL` followed by a `PUBLISH`): whether the lock was taken away (on RedLock,
     /// from a majority of the masters).
@@ -194,4 +213,35 @@ impl World {
             Some(_) => {}
         }
     }
+}
+
+/// The owner of the exclusive or write lock at `lock`, in either form (a plain lock's
+/// string, or a hash whose field is the owner token); `None` for any other kind (whose
+/// shares have leases of their own) or a marker.
+pub(super) async fn owner_of(
+    conn: &mut redis::aio::MultiplexedConnection,
+    lock: &str,
+) -> Option<String> {
+    let plain = redis::cmd("GET")
+        .arg(lock)
+        .query_async::<Option<String>>(conn)
+        .await;
+    if let Ok(owner) = plain {
+        return owner;
+    }
+    let fields: Vec<String> = redis::cmd("HKEYS").arg(lock).query_async(conn).await.ok()?;
+    if fields.iter().any(|f| f == "mode") {
+        let mode: Option<String> = redis::cmd("HGET")
+            .arg(lock)
+            .arg("mode")
+            .query_async(conn)
+            .await
+            .ok()?;
+        if mode.as_deref() != Some("write") {
+            return None;
+        }
+    }
+    fields
+        .into_iter()
+        .find(|f| !matches!(f.as_str(), "mode" | "fence" | "permits") && !f.contains(':'))
 }

@@ -3,7 +3,6 @@
 //! fault proxies.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use distlock::testing::{FaultProxy, RedisServer};
 use distlock::{LockManager, LockManagerBuilder};
@@ -14,7 +13,7 @@ use crate::support::{self, SentinelGroup};
 enum Servers {
     Single(Arc<RedisServer>),
     Cluster(Vec<RedisServer>),
-    Sentinel(SentinelGroup),
+    Sentinel(Box<SentinelGroup>),
     RedLock(Vec<RedisServer>),
 }
 
@@ -48,7 +47,7 @@ impl Deployment {
     pub(super) fn sentinel() -> Self {
         let group = SentinelGroup::start("seams");
         group.wait_until_ready();
-        Self::of(Servers::Sentinel(group))
+        Self::of(Servers::Sentinel(Box::new(group)))
     }
 
     pub(super) fn redlock() -> Self {
@@ -66,31 +65,12 @@ impl Deployment {
     /// [`proxied`](Self::proxied) talk through them. A Cluster's nodes announce their proxies
     /// (`cluster-announce-port`), so that the slot map leads there too.
     pub(super) fn through_proxies(mut self) -> Self {
-        self.proxies = (self.data().iter())
-            .map(|node| FaultProxy::start(node.port()).expect("a proxy starts"))
-            .collect();
-        if let Servers::Cluster(nodes) = &self.servers {
-            for (node, proxy) in nodes.iter().zip(&self.proxies) {
-                let port = proxy.port().to_string();
-                node.command(&["CONFIG", "SET", "cluster-announce-port", &port])
-                    .expect("CONFIG SET cluster-announce-port");
-            }
-            let ports: Vec<String> = self.proxies.iter().map(|p| p.port().to_string()).collect();
-            let started = Instant::now();
-            // Every node's slot map names the proxies once the change has been gossiped.
-            while !nodes.iter().all(|node| {
-                let slots = node.command(&["CLUSTER", "SLOTS"]).unwrap_or_default();
-                ports
-                    .iter()
-                    .all(|port| slots.lines().any(|l| l.trim_start_matches(':') == port))
-            }) {
-                assert!(
-                    started.elapsed() < Duration::from_secs(20),
-                    "the cluster's slot map never named the proxies"
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
+        self.proxies = match &self.servers {
+            Servers::Cluster(nodes) => support::announce_proxies(nodes),
+            _ => (self.data().iter())
+                .map(|node| FaultProxy::start(node.port()).expect("a proxy starts"))
+                .collect(),
+        };
         self
     }
 

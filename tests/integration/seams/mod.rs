@@ -62,6 +62,24 @@ mod one_server {
     }
 
     #[tokio::test]
+    async fn a_late_attempt_of_a_request_that_gave_up_is_given_back() {
+        let d = Deployment::own_server().through_proxies();
+        super::a_late_attempt_of_a_request_that_gave_up_is_given_back(&d).await;
+    }
+
+    #[tokio::test]
+    async fn a_waiter_behind_its_own_managers_holder_takes_a_deleted_lock() {
+        let d = Deployment::single();
+        super::a_waiter_behind_its_own_managers_holder_takes_a_deleted_lock(&d).await;
+    }
+
+    #[tokio::test]
+    async fn shutdown_keeps_a_min_hold_nested_after_the_hold_was_taken() {
+        let d = Deployment::single();
+        super::shutdown_keeps_a_min_hold_nested_after_the_hold_was_taken(&d).await;
+    }
+
+    #[tokio::test]
     async fn a_set_whose_nested_hold_ends_while_it_waits_is_refused() {
         super::a_set_whose_nested_hold_ends_while_it_waits_is_refused(&Deployment::single()).await;
     }
@@ -434,4 +452,145 @@ async fn a_set_whose_nested_hold_ends_while_it_waits_is_refused(d: &Deployment) 
         thief.release().await.unwrap();
     })
     .await;
+}
+
+/// A request whose first attempt went unanswered, whose retry was refused, and which then
+/// gave up: its first attempt lands once the holder has released, and takes the key for a
+/// request that is gone. It is given back once no late delivery can happen.
+async fn a_late_attempt_of_a_request_that_gave_up_is_given_back(d: &Deployment) {
+    let prefix = unique_prefix("seams-late-gave-up");
+    let holder = d.manager(&prefix).await;
+    let held = holder
+        .lock("k")
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    let locks = support::connect(
+        d.proxied()
+            .key_prefix(&prefix)
+            .response_timeout(Duration::from_millis(200)),
+    )
+    .await;
+    let key = format!("{prefix}{{k}}");
+    for proxy in d.proxies() {
+        proxy.set(Fault::Latency(Duration::from_secs(2)));
+    }
+    let before: Vec<u64> = d.proxies().iter().map(|p| p.delayed()).collect();
+    let request = tokio::spawn({
+        let locks = locks.clone();
+        async move {
+            locks
+                .lock("k")
+                .ttl(Duration::from_secs(30))
+                .wait(Duration::from_millis(600))
+                .acquire()
+                .await
+        }
+    });
+    until(
+        Duration::from_secs(5),
+        "the first attempt reaching the proxy",
+        || (d.proxies().iter().zip(&before)).any(|(p, before)| p.delayed() > *before),
+    )
+    .await;
+    for proxy in d.proxies() {
+        proxy.set(Fault::Pass);
+    }
+    let gave_up = request.await.unwrap();
+    assert!(
+        gave_up.is_err(),
+        "the key was held: {:?}",
+        gave_up.map(|_| ())
+    );
+    held.release().await.unwrap();
+    let mut landed = false;
+    until(
+        Duration::from_secs(5),
+        "everything held back delivered",
+        || {
+            landed |= d.keys(&prefix).contains(&key);
+            d.proxies().iter().all(|p| p.held_back() == 0)
+        },
+    )
+    .await;
+    landed |= d.keys(&prefix).contains(&key);
+    assert!(landed, "the first attempt did not land after the release");
+    until(Duration::from_secs(10), "the late grant given back", || {
+        !d.keys(&prefix).contains(&key)
+    })
+    .await;
+}
+
+/// As `a_waiter_behind_its_own_managers_holder_takes_a_force_released_lock`, with the key
+/// deleted behind distlock's back (which announces nothing): the holder's watchdog finds its
+/// lease lost at its next renewal, and that wakes the waiter behind it.
+async fn a_waiter_behind_its_own_managers_holder_takes_a_deleted_lock(d: &Deployment) {
+    let prefix = unique_prefix("seams-deleted-here");
+    let a = d.manager(&prefix).await;
+    let holder = a
+        .lock("k")
+        .ttl(Duration::from_millis(900))
+        .watchdog(true)
+        .acquire()
+        .await
+        .unwrap();
+    let waiter = tokio::spawn({
+        let a = a.clone();
+        async move {
+            let guard = a
+                .lock("k")
+                .wait(Duration::from_secs(20))
+                .acquire()
+                .await
+                .unwrap();
+            let at = Instant::now();
+            guard.release().await.unwrap();
+            at
+        }
+    });
+    support::until_waiting(&a, 1).await;
+    d.delete(&prefix, "k");
+    let deleted = Instant::now();
+    holder.lost().await;
+    let entered = waiter.await.unwrap();
+    // Its lease runs out within 900 ms of the last renewal, and its renewals come every
+    // 300 ms: the waiter gets in soon after, not only once its holder's guard is gone.
+    assert!(
+        entered.saturating_duration_since(deleted) < Duration::from_secs(3),
+        "the waiter took the deleted key after {:?}",
+        entered.saturating_duration_since(deleted)
+    );
+    assert!(matches!(
+        holder.release().await,
+        Err(LockError::Lost { .. })
+    ));
+}
+
+/// A hold listed with the manager before a hold nested in it asked for a `min_hold`: the
+/// manager's shutdown keeps the key until that `min_hold` ends.
+async fn shutdown_keeps_a_min_hold_nested_after_the_hold_was_taken(d: &Deployment) {
+    let prefix = unique_prefix("seams-shutdown-min-hold");
+    let (a, b) = (d.manager(&prefix).await, d.manager(&prefix).await);
+    let started = Instant::now();
+    let outer = distlock::scope(async {
+        let outer = a.lock("k").reentrant(true).acquire().await.unwrap();
+        let inner = a
+            .lock("k")
+            .reentrant(true)
+            .min_hold(Duration::from_millis(800))
+            .acquire()
+            .await
+            .unwrap();
+        inner.release().await.unwrap();
+        outer
+    })
+    .await;
+    a.shutdown().await;
+    let k = taken_after(&b, "k", started).await;
+    assert!(
+        k >= Duration::from_millis(800),
+        "k free {k:?} after a nested min_hold of 800 ms, the manager shut down"
+    );
+    drop(outer);
 }
