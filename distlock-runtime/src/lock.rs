@@ -367,7 +367,8 @@ pub(crate) async fn nest(
         return Err(lost(&key));
     };
     // Dropped, the nested guard only counts itself off: the outer hold keeps the lock.
-    if !guard.is_held().await? {
+    // An answer that came after the lease's local deadline vouches for nothing.
+    if !guard.is_held().await? || guard.held().lease.is_lost() {
         guard.held().lease.mark_lost();
         return Err(lost(&key));
     }

@@ -77,9 +77,12 @@ impl Node {
                 Err((_, through)) => *through,
             };
             let given_back: Vec<usize> = groups[..undo].iter().flatten().copied().collect();
-            if !given_back.is_empty() {
-                // Best effort: what is not given back here ends with its lease.
-                let _ = self.release_set(&req.part(&given_back)).await;
+            if !given_back.is_empty()
+                && let Err(error) = self.release_set(&req.part(&given_back)).await
+            {
+                // Not given back: the attempt answers as one whose reply was lost, so that
+                // the request's cover gives the groups back through the release path.
+                return Err(error);
             }
             return outcome.map_err(|(error, _)| error);
         }

@@ -126,6 +126,10 @@ impl Signals {
 pub(crate) struct Started {
     child: Child,
     group: bool,
+    /// Kills what is left of the group should `distlock` die; told to leave once this is
+    /// dropped (the command's end seen to).
+    #[cfg(target_os = "linux")]
+    _watch: Option<crate::watcher::GroupWatch>,
 }
 
 /// Starts `command` (program and arguments) with `vars` added to its environment. Its standard
@@ -150,7 +154,12 @@ pub(crate) fn spawn(
     #[cfg(target_os = "linux")]
     dies_with_us(&mut spawn);
     match spawn.spawn() {
-        Ok(child) => Ok(Started { child, group }),
+        Ok(child) => Ok(Started {
+            #[cfg(target_os = "linux")]
+            _watch: watch_group(&child, group),
+            child,
+            group,
+        }),
         Err(error) => {
             say!(
                 "distlock: cannot run `{}`: {error}",
@@ -165,12 +174,29 @@ pub(crate) fn spawn(
     }
 }
 
+/// A watcher of the command's group (see [`crate::watcher`]), if it has one.
+#[cfg(target_os = "linux")]
+fn watch_group(child: &Child, group: bool) -> Option<crate::watcher::GroupWatch> {
+    let pid = child.id().filter(|_| group)?;
+    match crate::watcher::GroupWatch::start(pid) {
+        Ok(watch) => Some(watch),
+        Err(error) => {
+            say!(
+                "distlock: cannot watch the command's process group ({error}): should distlock \
+                 die, what the command started may outlive it"
+            );
+            None
+        }
+    }
+}
+
 /// Has the kernel SIGKILL the command when `distlock` dies, of whatever cause (SIGKILL
 /// included), so that it never runs on unsupervised while the lease runs out.
 ///
 /// The kernel sends it when the thread that started the command ends: commands are started
 /// from the main thread (the one `#[tokio::main]` blocks on), which ends only with the process.
-/// It reaches the command itself (and whatever it `exec`s), not processes it started.
+/// It reaches the command itself (and whatever it `exec`s), not processes it started: the
+/// group's watcher kills those.
 #[cfg(target_os = "linux")]
 fn dies_with_us(spawn: &mut Command) {
     let parent = nix::unistd::getpid();

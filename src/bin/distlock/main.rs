@@ -20,6 +20,8 @@ mod child;
 mod exit;
 mod hold;
 mod inspector;
+#[cfg(target_os = "linux")]
+mod watcher;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -127,6 +129,12 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    #[cfg(target_os = "linux")]
+    if let [_, arg, group] = &std::env::args().collect::<Vec<_>>()[..]
+        && arg == watcher::ARG
+    {
+        return watcher::watch(group);
+    }
     let cli = Cli::parse();
     if let Command::Run(args) = &cli.command
         && let Some(misuse) = args.misuse()

@@ -395,6 +395,28 @@ async fn sigkill_to_run_kills_the_command() {
     );
 }
 
+/// `run` killed with SIGKILL takes what its command started with it too: a shell's
+/// background job, which the parent-death signal (the command's alone) does not reach, is
+/// killed by the watcher of the command's process group.
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_to_run_kills_what_the_command_started() {
+    let server = shared_server();
+    let prefix = unique_prefix("cli-run-kill-group");
+    let script = "sleep 60 & echo \"ready $!\"; wait";
+    let mut run = Running::start(
+        &server.url(),
+        &prefix,
+        &with_script(&["run", "svc", "--ttl", "2s"], script),
+    );
+    let job = ready_pid(&run.line().await);
+    assert!(process_state(job).is_some(), "the background job runs");
+    run.signal("KILL");
+    dead(job).await;
+    let exited = run.exit().await;
+    assert_eq!(exited.code, None, "killed: {exited:?}");
+}
+
 /// Ctrl-Z stops the command, not `run`: the lease stays renewed while the command is stopped
 /// (another run gives up waiting for it, over several leases), and SIGCONT continues it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
