@@ -80,6 +80,12 @@ mod one_server {
     }
 
     #[tokio::test]
+    async fn a_release_whose_reply_was_lost_never_answers_ok_for_a_lock_gone_before() {
+        let d = Deployment::own_server().through_proxies();
+        super::a_release_whose_reply_was_lost_never_answers_ok_for_a_lock_gone_before(&d).await;
+    }
+
+    #[tokio::test]
     async fn a_set_whose_nested_hold_ends_while_it_waits_is_refused() {
         super::a_set_whose_nested_hold_ends_while_it_waits_is_refused(&Deployment::single()).await;
     }
@@ -593,4 +599,47 @@ async fn shutdown_keeps_a_min_hold_nested_after_the_hold_was_taken(d: &Deploymen
         "k free {k:?} after a nested min_hold of 800 ms, the manager shut down"
     );
     drop(outer);
+}
+
+/// A holder's lock is deleted and taken by another manager; then its release is held back by
+/// the network past its response timeout, and sent again: finding the lock gone, it cannot
+/// tell whether its first send gave it back, and must not answer `Ok`.
+async fn a_release_whose_reply_was_lost_never_answers_ok_for_a_lock_gone_before(d: &Deployment) {
+    let prefix = unique_prefix("seams-release-unknown");
+    let locks = support::connect(
+        d.proxied()
+            .key_prefix(&prefix)
+            .response_timeout(Duration::from_millis(200)),
+    )
+    .await;
+    let other = d.manager(&prefix).await;
+    let holder = locks
+        .lock("k")
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    d.delete(&prefix, "k");
+    let thief = other.lock("k").acquire().await.unwrap();
+    for proxy in d.proxies() {
+        proxy.set(Fault::Latency(Duration::from_secs(1)));
+    }
+    let before: Vec<u64> = d.proxies().iter().map(|p| p.delayed()).collect();
+    let release = tokio::spawn(async move { holder.release().await });
+    until(
+        Duration::from_secs(5),
+        "the release reaching the proxy",
+        || (d.proxies().iter().zip(&before)).any(|(p, before)| p.delayed() > *before),
+    )
+    .await;
+    for proxy in d.proxies() {
+        proxy.set(Fault::Pass);
+    }
+    let released = release.await.unwrap();
+    assert!(
+        released.is_err(),
+        "a release sent again that found another's lock answered {released:?}"
+    );
+    assert!(thief.is_held().await.unwrap(), "the thief keeps the lock");
+    thief.release().await.unwrap();
 }
