@@ -41,6 +41,7 @@
 //! a proxy, servers paused; a RedLock master killed and restarted empty).
 
 mod checker;
+mod entries;
 mod monitor;
 mod programs;
 mod sets;
@@ -56,6 +57,7 @@ use distlock::{LockManager, LockRequest};
 use crate::support;
 
 use checker::*;
+use entries::*;
 use monitor::*;
 use programs::*;
 use sets::*;
