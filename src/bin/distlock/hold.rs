@@ -230,83 +230,111 @@ pub(crate) async fn lead(locks: &LockManager, args: &LeadArgs, signals: &mut Sig
     if let Some(ttl) = args.ttl {
         election = election.ttl(ttl);
     }
-    let program = args.command.program();
-    let mut warned = false;
     loop {
-        let campaign = tokio::select! {
-            campaign = election.campaign() => campaign,
-            received = signals.ending() => return received.exit_code(),
-        };
-        let leadership = match campaign {
+        let leadership = match campaign(&election, args, signals).await {
             Ok(leadership) => leadership,
-            // Redis failing is waited out, unless a single term was asked for.
-            Err(error @ LockError::Redis { .. }) if !args.once => {
-                if !warned {
-                    say!("distlock: {error}; campaigning again");
-                    warned = true;
-                }
-                tokio::select! {
-                    () = tokio::time::sleep(RETRY) => continue,
-                    received = signals.ending() => return received.exit_code(),
-                }
-            }
-            Err(error) => {
-                say!("distlock: {error}");
-                return exit::of(&error);
-            }
+            Err(code) => return code,
         };
-        warned = false;
-        let term = leadership.term();
-        let vars = [
-            ("DISTLOCK_ELECTION", args.name.clone()),
-            ("DISTLOCK_TERM", term.to_string()),
-            ("DISTLOCK_TOKEN", leadership.guard().token().to_owned()),
-        ];
         let started = tokio::time::Instant::now();
-        let child = match child::spawn(&args.command.command, &vars, args.command.foreground) {
-            Ok(child) => child,
-            Err(code) => {
-                if let Err(error) = leadership.resign().await {
-                    say!("distlock: {error}");
-                }
-                return code;
-            }
-        };
-        let ended = child::supervise(
-            child,
-            leadership.guard(),
-            leadership.lost(),
-            args.command.grace,
-            signals,
-        )
-        .await;
-        if let Some(lost) = &ended.lost {
-            say!(
-                "distlock: leadership of `{}` (term {term}) lost: {lost}; stopped `{program}`",
-                args.name
-            );
-            drop(leadership);
-            if args.once || ended.interrupted.is_some() {
-                return exit::LOST;
-            }
-            continue;
-        }
-        let code = ended.exit_code();
-        let resigned = leadership.resign().await;
-        if let Err(error) = &resigned {
-            say!("distlock: `{program}` ended; {error}");
-        }
-        if args.once || ended.interrupted.is_some() {
-            return match resigned {
-                Err(LockError::Lost { .. }) => exit::LOST,
-                _ => code,
-            };
+        match term(leadership, args, signals).await {
+            After::Exit(code) => return code,
+            After::Lost => continue,
+            After::Ended => {}
         }
         // A command that keeps failing at once is started at most once a second.
         tokio::select! {
             () = tokio::time::sleep_until(started + TERM_AT_LEAST) => {}
             received = signals.ending() => return received.exit_code(),
         }
+    }
+}
+
+/// What `lead` does after a term.
+enum After {
+    /// Exits with this code.
+    Exit(u8),
+    /// Campaigns again at once: the leadership was lost.
+    Lost,
+    /// Campaigns again: the command ended and the leadership was given back.
+    Ended,
+}
+
+/// Campaigns until elected; Redis failing is waited out, unless a single term was asked for.
+/// `Err`: the exit code (a signal, or an error).
+async fn campaign(
+    election: &distlock::Election,
+    args: &LeadArgs,
+    signals: &mut Signals,
+) -> Result<distlock::Leadership, u8> {
+    let mut warned = false;
+    loop {
+        let campaign = tokio::select! {
+            campaign = election.campaign() => campaign,
+            received = signals.ending() => return Err(received.exit_code()),
+        };
+        match campaign {
+            Ok(leadership) => return Ok(leadership),
+            Err(error @ LockError::Redis { .. }) if !args.once => {
+                if !warned {
+                    say!("distlock: {error}; campaigning again");
+                    warned = true;
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(RETRY) => {}
+                    received = signals.ending() => return Err(received.exit_code()),
+                }
+            }
+            Err(error) => {
+                say!("distlock: {error}");
+                return Err(exit::of(&error));
+            }
+        }
+    }
+}
+
+/// One term of `leadership`: runs the command while leading, then gives the leadership back.
+async fn term(leadership: distlock::Leadership, args: &LeadArgs, signals: &mut Signals) -> After {
+    let program = args.command.program();
+    let term = leadership.term();
+    let vars = [
+        ("DISTLOCK_ELECTION", args.name.clone()),
+        ("DISTLOCK_TERM", term.to_string()),
+        ("DISTLOCK_TOKEN", leadership.guard().token().to_owned()),
+    ];
+    let child = match child::spawn(&args.command.command, &vars, args.command.foreground) {
+        Ok(child) => child,
+        Err(code) => {
+            if let Err(error) = leadership.resign().await {
+                say!("distlock: {error}");
+            }
+            return After::Exit(code);
+        }
+    };
+    let guard = leadership.guard();
+    let ended = child::supervise(child, guard, leadership.lost(), args.command.grace, signals);
+    let ended = ended.await;
+    let last = args.once || ended.interrupted.is_some();
+    if let Some(lost) = &ended.lost {
+        say!(
+            "distlock: leadership of `{}` (term {term}) lost: {lost}; stopped `{program}`",
+            args.name
+        );
+        drop(leadership);
+        return if last {
+            After::Exit(exit::LOST)
+        } else {
+            After::Lost
+        };
+    }
+    let code = ended.exit_code();
+    let resigned = leadership.resign().await;
+    if let Err(error) = &resigned {
+        say!("distlock: `{program}` ended; {error}");
+    }
+    match (last, resigned) {
+        (true, Err(LockError::Lost { .. })) => After::Exit(exit::LOST),
+        (true, _) => After::Exit(code),
+        (false, _) => After::Ended,
     }
 }
 
