@@ -35,7 +35,7 @@ use crate::lease::LeaseState;
 /// A checked run of local passes of one server hold (see the module docs). Shared by the
 /// holders of the run and the releases waiting for its checks.
 #[derive(Debug)]
-pub(crate) struct Run {
+pub(crate) struct CohortRun {
     ids: Arc<HoldIds>,
     /// The server hold's lease, shared by every holder of the run.
     lease: Arc<LeaseState>,
@@ -84,7 +84,7 @@ pub(crate) enum Checked {
     ShutDown,
 }
 
-impl Run {
+impl CohortRun {
     /// A run of the server hold `ids`, whose lease is `lease`, checked through `backend`.
     pub(crate) fn new(
         ids: Arc<HoldIds>,
@@ -212,7 +212,7 @@ impl Run {
     pub(crate) async fn confirm(
         self: &Arc<Self>,
         number: u64,
-        shut_down: &crate::holds::Holds,
+        shut_down: &crate::holds::HoldList,
     ) -> Checked {
         let mut resent = 0;
         loop {
@@ -261,12 +261,12 @@ impl Run {
 }
 
 /// The run's last release on its way from the manager's runtime (see
-/// [`Run::ending_guarded`]), whose answer settles the run. Dropped before that (its runtime
+/// [`CohortRun::ending_guarded`]), whose answer settles the run. Dropped before that (its runtime
 /// went away), it tells the releases still waiting that the server's answer is unknown;
 /// dropped after, it changes nothing (only the first answer counts).
 #[derive(Debug)]
 pub(crate) struct Ending {
-    run: Option<Arc<Run>>,
+    run: Option<Arc<CohortRun>>,
 }
 
 impl Drop for Ending {
@@ -279,7 +279,7 @@ impl Drop for Ending {
     }
 }
 
-impl Run {
+impl CohortRun {
     /// The run's last release answered: `true` when its token still held the lock then,
     /// which it did at every pass before; `false` when it was gone; an error when the server
     /// could not tell. Only the first answer counts.
@@ -309,8 +309,8 @@ impl Run {
 /// Sends check `number` of `run`, and the next ones its passes ask for meanwhile, one at a
 /// time. Dropped midway (its runtime shut down), it leaves the run without a check in
 /// flight, which the next release that waits for one sends again.
-async fn check(run: Arc<Run>, number: u64) {
-    struct InFlight<'r>(Option<&'r Run>);
+async fn check(run: Arc<CohortRun>, number: u64) {
+    struct InFlight<'r>(Option<&'r CohortRun>);
     impl Drop for InFlight<'_> {
         fn drop(&mut self) {
             if let Some(run) = self.0.take() {

@@ -53,7 +53,7 @@ pub(crate) struct Held {
     /// How many local passes this hold is from the server's grant (0: granted by Redis).
     pub(crate) passes: u32,
     /// The cohort's run this hold came by, when it came by a local pass (see `cohort`).
-    pub(crate) run: std::sync::OnceLock<Arc<crate::cohort::Run>>,
+    pub(crate) run: std::sync::OnceLock<Arc<crate::cohort::CohortRun>>,
     /// For a lock of a set: every lock of the set (this one included), which share this
     /// hold's lease. What moves that lease on (a nested hold's renewal or extend) must reach
     /// every one of them still held, or the set's `remaining()` would promise more than a lock

@@ -11,7 +11,7 @@ use crate::retry::Backoff;
 
 /// What kind of request waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Mode {
+pub(crate) enum WaitKind {
     /// One lock, queued behind this manager's other waiters.
     Plain,
     /// Several locks taken together: the queue to follow is that of the lock found busy.
@@ -47,7 +47,7 @@ impl Bounds {
 /// What the request knows when it decides.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct State {
-    pub(crate) mode: Mode,
+    pub(crate) mode: WaitKind,
     pub(crate) bounds: Bounds,
     /// Attempts answered (or sent and lost) so far.
     pub(crate) attempts: u32,
@@ -118,7 +118,7 @@ pub(crate) fn step<F>(
     // followed would leave the set asleep while every lock is free). That lock was free at
     // this look, so each such move follows a release and is no busy loop.
     let may_queue = state.bounds.retries > 0
-        && (state.mode != Mode::Set || matches!(answer, Ok(AcquireAnswer::Busy { .. })));
+        && (state.mode != WaitKind::Set || matches!(answer, Ok(AcquireAnswer::Busy { .. })));
     if may_queue && state.queued_at != Some(state.busy_at) {
         return Step::Queue { at: state.busy_at };
     }
@@ -152,12 +152,12 @@ fn before_asking(state: &State, backoff: &Backoff, now: Instant) -> Step {
 /// Until when the request lets other processes have their turns, if it does.
 fn sit_out_until(state: &State) -> Option<Instant> {
     match state.mode {
-        Mode::Plain => state.sitting_out,
+        WaitKind::Plain => state.sitting_out,
         // A set takes no turns in a cohort's sit-out: it never takes a hand-off, so the
         // turns it would give were never this manager's to give.
-        Mode::Set => None,
+        WaitKind::Set => None,
         // A fair lock's turns are the server's queue, the same for every process.
-        Mode::Fair => None,
+        WaitKind::Fair => None,
     }
 }
 
@@ -182,13 +182,13 @@ fn sleep(state: &State, lease: Option<Duration>, backoff: &Backoff, now: Instant
         // so it asks again at least every `FAIR_REFRESH`. A grant is published to it by name,
         // and a missed one is caught by that renewal, so by time it waits for the holder's
         // lease to end, subscribed or not, with no backoff.
-        Mode::Fair => match lease {
+        WaitKind::Fair => match lease {
             _ if !bounds.by_time() => backoff.delay(attempts, lease),
             Some(lease) => crate::retry::past_lease(lease),
             None => FAIR_REFRESH,
         }
         .min(FAIR_REFRESH),
-        Mode::Plain | Mode::Set => match lease {
+        WaitKind::Plain | WaitKind::Set => match lease {
             Some(lease) if state.announced && bounds.by_time() => crate::retry::past_lease(lease),
             lease => backoff.delay(attempts, lease),
         },
@@ -221,7 +221,7 @@ mod tests {
 
     type Answer = redis::RedisResult<AcquireAnswer<()>>;
 
-    const MODES: [Mode; 3] = [Mode::Plain, Mode::Set, Mode::Fair];
+    const MODES: [WaitKind; 3] = [WaitKind::Plain, WaitKind::Set, WaitKind::Fair];
 
     fn busy(holder_ttl: Option<Duration>) -> Answer {
         Ok(AcquireAnswer::Busy {
@@ -247,7 +247,7 @@ mod tests {
     }
 
     /// A request of `mode` within `bounds`, after `attempts`, in the queue of lock 0 or not.
-    fn state(mode: Mode, bounds: Bounds, attempts: u32, queued: bool) -> State {
+    fn state(mode: WaitKind, bounds: Bounds, attempts: u32, queued: bool) -> State {
         State {
             mode,
             bounds,
@@ -358,7 +358,7 @@ mod tests {
                 let step = after(&first, &answer, now);
                 // A set knows which lock to wait for only from a busy answer.
                 match (mode, answer.is_ok()) {
-                    (Mode::Set, false) => assert!(matches!(step, Step::Sleep { .. })),
+                    (WaitKind::Set, false) => assert!(matches!(step, Step::Sleep { .. })),
                     _ => assert_eq!(step, Step::Queue { at: 0 }, "{mode:?} {answer:?}"),
                 }
                 let queued = state(mode, roomy, 2, true);
@@ -371,7 +371,7 @@ mod tests {
     #[test]
     fn a_set_busy_on_another_lock_moves_to_its_queue() {
         let now = Instant::now();
-        let mut set = state(Mode::Set, bounds(100, None, now), 3, true);
+        let mut set = state(WaitKind::Set, bounds(100, None, now), 3, true);
         set.busy_at = 2;
         let answer = Ok(AcquireAnswer::Busy {
             at: 2,
@@ -387,7 +387,7 @@ mod tests {
     fn a_plain_request_waits_while_a_task_of_its_manager_holds_the_lock() {
         let now = Instant::now();
         let long = Backoff::new(Duration::from_secs(3600));
-        let mut waiting = state(Mode::Plain, bounds(u32::MAX, None, now), 2, true);
+        let mut waiting = state(WaitKind::Plain, bounds(u32::MAX, None, now), 2, true);
         waiting.announced = true;
         waiting.held_here = Some(now + Duration::from_millis(30));
         let next = step::<()>(&waiting, None, &long, now);
@@ -410,19 +410,19 @@ mod tests {
             waiting.announced = true;
             let asked = after(&waiting, &minute, now);
             match mode {
-                Mode::Plain => {
+                WaitKind::Plain => {
                     // (A backoff long enough that its full jitter never ends before the sit.)
                     let long = Backoff::new(Duration::from_secs(3600));
                     assert_eq!(until(step::<()>(&waiting, None, &long, now)), sit);
                     assert_eq!(until(asked), sit);
                 }
                 // Sets and fair requests ask, and their sleeps are not cut short by it.
-                Mode::Set => {
+                WaitKind::Set => {
                     assert_eq!(before(&waiting, now), Step::Ask);
                     let lease_end = now + Duration::from_secs(60) + Duration::from_millis(1);
                     assert_eq!(until(asked), lease_end);
                 }
-                Mode::Fair => {
+                WaitKind::Fair => {
                     assert_eq!(before(&waiting, now), Step::Ask);
                     assert_eq!(until(asked), now + FAIR_REFRESH);
                 }
@@ -437,13 +437,13 @@ mod tests {
         let sleep = |state: &State, answer: &Answer, backoff: &Backoff| {
             until(step(state, Some(answer), backoff, now))
         };
-        let roomy = state(Mode::Plain, bounds(100, None, now), 5, true);
+        let roomy = state(WaitKind::Plain, bounds(100, None, now), 5, true);
         // The holder's lease ends in 30 ms: nobody announces an expiry.
         let soon_free = busy(Some(Duration::from_millis(30)));
         assert!(sleep(&roomy, &soon_free, &long) <= now + Duration::from_millis(31));
         // The deadline comes first.
         let soon = state(
-            Mode::Plain,
+            WaitKind::Plain,
             bounds(100, Some(Duration::from_millis(10)), now),
             5,
             true,
@@ -457,7 +457,7 @@ mod tests {
             now + Duration::from_millis(5)
         );
         // Otherwise the backoff, within its ceiling.
-        let first = state(Mode::Plain, bounds(100, None, now), 1, true);
+        let first = state(WaitKind::Plain, bounds(100, None, now), 1, true);
         assert!(sleep(&first, &busy(None), &backoff()) <= now + backoff().ceiling());
     }
 
@@ -467,7 +467,7 @@ mod tests {
         // A backoff of 50 ms would look again within 1.6 s; the holder has a minute left.
         let minute = busy(Some(Duration::from_secs(60)));
         let lease_end = now + Duration::from_secs(60) + Duration::from_millis(1);
-        for mode in [Mode::Plain, Mode::Set] {
+        for mode in [WaitKind::Plain, WaitKind::Set] {
             for attempts in [2, 3, 40] {
                 let mut heard = state(mode, bounds(u32::MAX, None, now), attempts, true);
                 heard.announced = true;
@@ -494,7 +494,7 @@ mod tests {
         let by_time = bounds(u32::MAX, None, now);
         let minute = busy(Some(Duration::from_secs(60)));
         // Not subscribed: nothing would tell it of a release.
-        let unheard = state(Mode::Plain, by_time, 9, true);
+        let unheard = state(WaitKind::Plain, by_time, 9, true);
         // No lease known (a key without expiry, or a failed attempt).
         let mut unknown = unheard;
         unknown.announced = true;
@@ -504,7 +504,7 @@ mod tests {
             assert!(until(after(&unknown, &lost_reply(), now)) <= ceiling);
         }
         // A number of retries is spent at the backoff's pace, subscribed or not.
-        let mut counted = state(Mode::Plain, bounds(5, None, now), 3, true);
+        let mut counted = state(WaitKind::Plain, bounds(5, None, now), 3, true);
         counted.announced = true;
         for _ in 0..20 {
             assert!(until(after(&counted, &minute, now)) <= ceiling);
@@ -518,7 +518,7 @@ mod tests {
         let by_time = bounds(u32::MAX, None, now);
         // Subscribed or not, by time it waits for the holder's lease to end...
         for announced in [false, true] {
-            let mut fair = state(Mode::Fair, by_time, 3, true);
+            let mut fair = state(WaitKind::Fair, by_time, 3, true);
             fair.announced = announced;
             let short = busy(Some(Duration::from_millis(30)));
             assert_eq!(
@@ -533,14 +533,14 @@ mod tests {
         }
         // A number of retries is spent at the backoff's pace, within the refresh too.
         let long = Backoff::new(Duration::from_secs(3600));
-        let counted = state(Mode::Fair, bounds(5, None, now), 3, true);
+        let counted = state(WaitKind::Fair, bounds(5, None, now), 3, true);
         for _ in 0..20 {
             let next = step(&counted, Some(&busy(None)), &long, now);
             assert!(until(next) <= refresh);
         }
         // And within the deadline.
         let soon = state(
-            Mode::Fair,
+            WaitKind::Fair,
             bounds(u32::MAX, Some(Duration::from_millis(10)), now),
             3,
             true,

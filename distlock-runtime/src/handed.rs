@@ -6,14 +6,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::backend::HoldIds;
-use crate::cohort::Run;
+use crate::cohort::CohortRun;
 
 /// What gives back a handed lock that nobody claimed: the manager's releaser (see
 /// `release`), seen from here only as this.
 pub(crate) trait Unclaimed: Send + Sync {
     /// Gives back `ids` from the manager's own runtime; `run`: the lock was passed within
     /// that cohort's run, which this release ends.
-    fn give_back(&self, ids: Arc<HoldIds>, run: Option<Arc<Run>>);
+    fn give_back(&self, ids: Arc<HoldIds>, run: Option<Arc<CohortRun>>);
 }
 
 /// A lock handed over by a local release, on its way to the waiter that offered to take it.
@@ -31,7 +31,7 @@ pub(crate) struct Handed {
 /// has it), and how many passes it is from the server's grant.
 #[derive(Debug)]
 pub(crate) struct LocalPass {
-    pub(crate) run: Arc<Run>,
+    pub(crate) run: Arc<CohortRun>,
     pub(crate) passes: u32,
 }
 

@@ -47,7 +47,7 @@ impl std::fmt::Debug for KeepUntil {
 
 /// Every hold of one manager that is still to be given back, and whether it shut down.
 #[derive(Debug, Default)]
-pub(crate) struct Holds {
+pub(crate) struct HoldList {
     listed: Mutex<Listed>,
     shut_down: watch::Sender<bool>,
 }
@@ -69,7 +69,7 @@ pub(crate) enum Listing {
     Done,
 }
 
-impl Holds {
+impl HoldList {
     fn lock(&self) -> std::sync::MutexGuard<'_, Listed> {
         self.listed.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -175,7 +175,7 @@ mod tests {
 
     #[test]
     fn a_listing_is_given_back_once_by_its_guard_or_by_shutdown() {
-        let holds = Holds::default();
+        let holds = HoldList::default();
         let mut one = holds.list([live(1)]);
         let mut set = holds.list([live(2), live(3)]);
         assert!(!holds.given_back(&one) && !holds.given_back(&set));

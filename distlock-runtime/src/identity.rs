@@ -148,15 +148,18 @@ const LOOKUP_BOUND: Duration = Duration::from_millis(100);
 /// What reading a holder's identity takes of a manager: its registry, and the backend and
 /// driver to read through.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Lookup<'a> {
+pub(crate) struct HolderLookup<'a> {
     pub(crate) registry: &'a Arc<Registry>,
     pub(crate) backend: &'a Backend,
     pub(crate) driver: &'a Driver,
 }
 
 /// A holder's identity for an error: `None` when it is gone, or could not be read at once.
-pub(crate) async fn resolve(via: impl Into<Lookup<'_>>, token: &str) -> Option<HolderIdentity> {
-    let Lookup {
+pub(crate) async fn resolve(
+    via: impl Into<HolderLookup<'_>>,
+    token: &str,
+) -> Option<HolderIdentity> {
+    let HolderLookup {
         registry,
         backend,
         driver,

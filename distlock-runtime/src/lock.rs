@@ -20,7 +20,7 @@ use crate::lease::keep_until;
 use crate::manager::{Inner, LockManager};
 use crate::release::{Known, OneHold};
 use crate::request::{LockRequest, Plan, RequestKind, Single, Target};
-use crate::watchdog::{Holds, Registration, Renewable};
+use crate::watchdog::{Leased, Registration, Renewable};
 
 impl Target for Single {
     type Guard = LockGuard;
@@ -143,7 +143,7 @@ async fn take(manager: &LockManager, asking: Box<Server>) -> Result<LockGuard, L
         // Boxed: its state stays out of the plain path's future. A fair request waits with
         // this manager's waiters of the lock from its first attempt on: it hears every grant
         // from then on.
-        let outcome = Box::pin(engine().wait(None, true)).await?;
+        let outcome = Box::pin(engine().acquire(None, true)).await?;
         return Ok(granted(manager, plan, request, kind, outcome));
     }
     // A plain lock can be handed over by a local release, in that release's round trip.
@@ -154,7 +154,7 @@ async fn take(manager: &LockManager, asking: Box<Server>) -> Result<LockGuard, L
     // them could make it wait for a lock the server would grant, even for itself.
     let shares = matches!(plan.kind, RequestKind::Read | RequestKind::Permits(_));
     let outcome = if plan.retries > 0 && !shares && inner.waiters.has_waiters(&request.wake) {
-        Box::pin(engine().hand_off(hand_off).wait(None, true)).await?
+        Box::pin(engine().hand_off(hand_off).acquire(None, true)).await?
     } else {
         // Any other makes its first attempt here: most find the lock free, and their future
         // need not carry the waiting loop's state. Inline, not boxed: a box this size costs
@@ -169,7 +169,7 @@ async fn take(manager: &LockManager, asking: Box<Server>) -> Result<LockGuard, L
                 // The loop takes over the attempt's answer, and its cover if it may have
                 // been granted.
                 let engine = engine().hand_off(hand_off).covering(cover);
-                Box::pin(engine.wait(Some(first), !shares)).await?
+                Box::pin(engine.acquire(Some(first), !shares)).await?
             }
         }
     };
@@ -336,7 +336,7 @@ fn grant(
             )
         }
     };
-    let renewal = register_renewal(&manager.inner, &plan, Holds::One(ids.clone()), &lease, set);
+    let renewal = register_renewal(&manager.inner, &plan, Leased::One(ids.clone()), &lease, set);
     let held = Held::first(&manager.inner, &plan, kind, ids, lease.clone(), start);
     if let Some(run) = run {
         let _ = held.run.set(run);
@@ -387,11 +387,11 @@ fn nested(manager: &LockManager, plan: Plan<Keys>, held: Arc<Held>) -> Option<Lo
     let lease = held.lease.clone();
     // Inside a set's lock, the lease is the set's: renewed for all of its locks or none.
     let holds = match held.set.get() {
-        Some(_) => Holds::InSet {
+        Some(_) => Leased::InSet {
             ids: held.ids.clone(),
             held: Arc::downgrade(&held),
         },
-        None => Holds::One(held.ids.clone()),
+        None => Leased::One(held.ids.clone()),
     };
     let renewal = register_renewal(&manager.inner, &plan, holds, &lease, sent);
     tracing::debug!("acquired a nested hold");
@@ -408,7 +408,7 @@ fn nested(manager: &LockManager, plan: Plan<Keys>, held: Arc<Held>) -> Option<Lo
 pub(crate) fn register_renewal<K>(
     inner: &Arc<Inner>,
     plan: &Plan<K>,
-    holds: Holds,
+    holds: Leased,
     lease: &Arc<LeaseState>,
     set: Instant,
 ) -> Option<Registration> {

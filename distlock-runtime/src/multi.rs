@@ -24,7 +24,7 @@ use crate::lock::{self, new_token};
 use crate::manager::{Inner, LockManager};
 use crate::release::{Known, Outcome, Resend, SetRelease, Unanswered};
 use crate::request::{KeySet, LockRequest, MultiLockRequest, Plan, RequestKind, Target};
-use crate::watchdog::{Holds, Registration};
+use crate::watchdog::{Leased, Registration};
 use crate::{LockError, LockGuard};
 
 impl Target for KeySet {
@@ -109,7 +109,7 @@ async fn take_set(manager: &LockManager, plan: Plan<Vec<Keys>>) -> Result<MultiG
         (Vec::new(), started, 1, None, None)
     } else {
         let engine = Engine::new(inner, &request, &plan, &fresh, started);
-        let outcome = engine.wait(None, false).await?;
+        let outcome = engine.acquire(None, false).await?;
         let Won::Asked { won, sent } = outcome.won else {
             unreachable!("a set stands ready for no hand-off");
         };
@@ -228,10 +228,15 @@ fn grant_set(
         }
     }));
     // One renewal for the whole set: its lease goes on only if every lock was renewed.
-    let renewals: Vec<Registration> =
-        lock::register_renewal(inner, plan, Holds::Set(holds.into()), &lease, acquired.sent)
-            .into_iter()
-            .collect();
+    let renewals: Vec<Registration> = lock::register_renewal(
+        inner,
+        plan,
+        Leased::Set(holds.into()),
+        &lease,
+        acquired.sent,
+    )
+    .into_iter()
+    .collect();
     MultiGuard {
         listing,
         manager: manager.clone(),

@@ -158,7 +158,7 @@ impl<'a, A: Ask> Cover<'a, A> {
             && matches!(answer, Err(_) | Ok(AcquireAnswer::Busy { .. }));
     }
 
-    /// A local release handed the lock over. Through the server, it went to this request's
+    /// A local release handed the lock over. RenewalPath the server, it went to this request's
     /// own token, which covers any grant an unanswered attempt may hold: that must not be
     /// released now. A local pass gave another's hold: the cover stays, for what such an
     /// attempt may hold.

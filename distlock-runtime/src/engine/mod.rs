@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 
 use crate::LockError;
 use crate::backend::AcquireAnswer;
-use crate::decide::{self, Bounds, Mode, State, Step};
+use crate::decide::{self, Bounds, State, Step, WaitKind};
 use crate::handed::Handed;
 use crate::key::Keys;
 use crate::manager::Inner;
@@ -137,7 +137,7 @@ pub(crate) struct Engine<'a, A: Ask> {
     /// The locks' names (one, or a set's), for errors.
     names: &'a [Keys],
     kind: RequestKind,
-    mode: Mode,
+    mode: WaitKind,
     ttl: Duration,
     backoff: Backoff,
     bounds: Bounds,
@@ -169,9 +169,9 @@ impl<'a, A: Ask> Engine<'a, A> {
         started: Instant,
     ) -> Self {
         let mode = match (A::SET, ask.fair()) {
-            (true, _) => Mode::Set,
-            (false, true) => Mode::Fair,
-            (false, false) => Mode::Plain,
+            (true, _) => WaitKind::Set,
+            (false, true) => WaitKind::Fair,
+            (false, false) => WaitKind::Plain,
         };
         Self {
             inner,
@@ -187,7 +187,7 @@ impl<'a, A: Ask> Engine<'a, A> {
             },
             metrics: plan.metrics,
             // Fair locks never pass locally.
-            cohort: !plan.options.solo && mode != Mode::Fair,
+            cohort: !plan.options.solo && mode != WaitKind::Fair,
             started,
             hand_off: false,
             cover: Cover::new(inner, ask),
@@ -216,7 +216,7 @@ impl<'a, A: Ask> Engine<'a, A> {
     /// already made, if any), waits, and attempts again until the request wins or its
     /// bounds run out. `queue_first`: a request that may wait queues behind this manager's
     /// waiters of the lock before its first attempt.
-    pub(crate) async fn wait(
+    pub(crate) async fn acquire(
         mut self,
         first: Option<Attempted<A::Fences>>,
         queue_first: bool,
@@ -313,7 +313,7 @@ impl<'a, A: Ask> Engine<'a, A> {
     /// asks, that word is whichever local waiter asked last. A fair waiter asks for
     /// itself, and its own word is the last.
     fn queue_heard(&self) -> Option<&Ticket> {
-        self.ticket().filter(|_| self.mode != Mode::Fair)
+        self.ticket().filter(|_| self.mode != WaitKind::Fair)
     }
 
     /// The outcome of a granted attempt.
@@ -360,7 +360,7 @@ impl<'a, A: Ask> Engine<'a, A> {
         let inner = self.inner;
         let (wake, backend, driver) = (self.ask.wake(at), &inner.backend, &inner.driver);
         let joined = match self.mode {
-            Mode::Fair => {
+            WaitKind::Fair => {
                 let ticket =
                     inner
                         .waiters
@@ -368,7 +368,9 @@ impl<'a, A: Ask> Engine<'a, A> {
                 self.ticket = Some((at, ticket));
                 return;
             }
-            Mode::Plain | Mode::Set => inner.waiters.join(wake, backend, driver, self.metrics),
+            WaitKind::Plain | WaitKind::Set => {
+                inner.waiters.join(wake, backend, driver, self.metrics)
+            }
         };
         // What this request last heard becomes the queue's last word; one that joins before
         // its first attempt has heard nothing, and leaves the queue's word (a failure to reach
@@ -389,7 +391,7 @@ impl<'a, A: Ask> Engine<'a, A> {
     /// lock (a release by this manager hands it over), or a fair lock's (a release by this
     /// manager that grants it to this waiter hands the grant over in-process).
     fn stand_ready(&mut self) {
-        let takes = self.hand_off || self.mode == Mode::Fair;
+        let takes = self.hand_off || self.mode == WaitKind::Fair;
         if let (true, Some((_, waiting)), None) = (takes, &self.ticket, &self.offer) {
             self.offer = Some(waiting.offer(self.ask.token(), self.ttl, self.cohort));
         }
@@ -498,7 +500,7 @@ impl<'a, A: Ask> Engine<'a, A> {
     /// the cover sends that again. The last word decides: a failure to reach Redis is not
     /// reported as busy.
     async fn give_up(&mut self) -> LockError {
-        if self.mode == Mode::Fair {
+        if self.mode == WaitKind::Fair {
             self.cover.give_back().await;
         }
         let failure = match self.queue_heard() {

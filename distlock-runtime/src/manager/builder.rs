@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::LockError;
 use crate::backend::{Backend, ConnectOptions};
 use crate::driver::Driver;
-use crate::holds::Holds;
+use crate::holds::HoldList;
 use crate::key;
 use crate::lease::{MAX_TTL, check_ttl};
 use crate::release::Releaser;
@@ -353,7 +353,7 @@ impl LockManagerBuilder {
                     driver,
                     watchdog: Watchdog::default(),
                     waiters,
-                    holds: Holds::default(),
+                    holds: HoldList::default(),
                     prefix: self.prefix,
                     defaults: self.defaults,
                     registry,

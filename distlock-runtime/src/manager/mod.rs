@@ -14,12 +14,12 @@ use std::time::Duration;
 use crate::LockError;
 use crate::backend::Backend;
 use crate::driver::Driver;
-use crate::holds::Holds;
-use crate::identity::Lookup;
+use crate::holds::HoldList;
+use crate::identity::HolderLookup;
 use crate::key;
 use crate::release::{Known, OneHold, Releaser};
 use crate::waiters::Waiters;
-use crate::watchdog::{Through, Watchdog};
+use crate::watchdog::{RenewalPath, Watchdog};
 
 mod builder;
 mod checks;
@@ -77,7 +77,7 @@ pub(crate) struct Inner {
     pub(crate) driver: Arc<Driver>,
     pub(crate) watchdog: Watchdog,
     pub(crate) waiters: Waiters,
-    pub(crate) holds: Holds,
+    pub(crate) holds: HoldList,
     pub(crate) prefix: String,
     pub(crate) defaults: Defaults,
     /// This manager's identity, and the identities of other holders it has read.
@@ -275,7 +275,7 @@ impl Inner {
     }
 }
 
-impl<'a> From<&'a Arc<Inner>> for Through<'a> {
+impl<'a> From<&'a Arc<Inner>> for RenewalPath<'a> {
     fn from(inner: &'a Arc<Inner>) -> Self {
         Self {
             driver: &inner.driver,
@@ -285,7 +285,7 @@ impl<'a> From<&'a Arc<Inner>> for Through<'a> {
     }
 }
 
-impl<'a> From<&'a LockManager> for Lookup<'a> {
+impl<'a> From<&'a LockManager> for HolderLookup<'a> {
     fn from(manager: &'a LockManager) -> Self {
         Self {
             registry: &manager.inner.registry,

@@ -10,7 +10,7 @@ use std::time::Instant;
 use super::{Known, OneHold, Outcome, Unanswered, Yielding};
 use crate::LockError;
 use crate::backend::HoldIds;
-use crate::cohort::{Checked, Run};
+use crate::cohort::{Checked, CohortRun};
 use crate::guard::LockGuard;
 use crate::handed::{Handed, LocalPass};
 use crate::waiters::{Next, Offer, Passable};
@@ -21,7 +21,7 @@ enum Locally {
     Done(Result<(), LockError>),
     /// The lock was passed on within a cohort's run: the release answers once this check of
     /// the run (or a later one) tells whether the server still had the hold after the pass.
-    Passed(Arc<Run>, u64),
+    Passed(Arc<CohortRun>, u64),
     /// A hand-off's answer was lost: the release on the server settles it.
     Unsettled,
     /// Nothing here: the release goes to the server.
@@ -141,12 +141,12 @@ impl LockGuard {
     /// that begins here). Answers the run and the number of the check, sent from now on, that
     /// tells whether the server still had the hold; `Err` when the waiter has left: the lock
     /// is still this guard's to release.
-    fn pass(&self, offer: Offer) -> Result<(Arc<Run>, u64), ()> {
+    fn pass(&self, offer: Offer) -> Result<(Arc<CohortRun>, u64), ()> {
         let inner = &self.parts.manager.inner;
         let ids = self.ids();
         let run = match self.parts.held.run.get() {
             Some(run) => run.clone(),
-            None => Run::new(
+            None => CohortRun::new(
                 ids.clone(),
                 self.parts.lease.clone(),
                 inner.backend.clone(),
@@ -247,7 +247,7 @@ impl LockGuard {
 
     /// A release that passed the lock on within `run`: `Ok` once `check` (or a later check)
     /// found the hold still the run's; [`LockError::Lost`] when it was gone.
-    async fn checked(&self, run: &Arc<Run>, check: u64) -> Result<(), LockError> {
+    async fn checked(&self, run: &Arc<CohortRun>, check: u64) -> Result<(), LockError> {
         match run.confirm(check, &self.parts.manager.inner.holds).await {
             Checked::Held => Ok(()),
             Checked::Stolen => {

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, FairRelease, HoldIds, SetKey, SetRequest};
-use crate::cohort::Run;
+use crate::cohort::CohortRun;
 use crate::driver::Driver;
 use crate::handed::{Handed, Unclaimed};
 use crate::lease::{LeaseState, keep_from};
@@ -246,7 +246,7 @@ pub(crate) struct Known {
     /// it within this lease. `None` for what an attempt may hold, which has no lease yet.
     pub(crate) lease: Option<Arc<LeaseState>>,
     /// The cohort's run whose last release this is: its answer settles the run.
-    pub(crate) run: Option<Arc<Run>>,
+    pub(crate) run: Option<Arc<CohortRun>>,
     /// A release was sent already, whose reply was lost (a hand-off's).
     pub(crate) resent: bool,
     /// What is given back was held by this manager (not what an attempt may hold): once
@@ -414,7 +414,7 @@ impl Releaser {
     /// caller's runtime shuts down, and outside any runtime. A cohort's run whose release
     /// this is learns that its answer is unknown if that runtime drops the release first.
     pub(crate) fn in_background<G: GiveBack>(&self, given: G, known: Known) {
-        let ending = known.run.as_ref().map(Run::ending_guarded);
+        let ending = known.run.as_ref().map(CohortRun::ending_guarded);
         let releaser = self.clone();
         self.driver.spawn(async move {
             let outcome = releaser.logged(given, known).await;
@@ -475,7 +475,7 @@ impl Releaser {
 }
 
 impl Unclaimed for Releaser {
-    fn give_back(&self, ids: Arc<HoldIds>, run: Option<Arc<Run>>) {
+    fn give_back(&self, ids: Arc<HoldIds>, run: Option<Arc<CohortRun>>) {
         let known = Known {
             run,
             hold: true,

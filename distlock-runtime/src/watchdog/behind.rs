@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Holds, Leases};
+use super::{Leased, Leases};
 
 /// The watchdog says it is falling behind at most once per this period.
 const WARN_EVERY: Duration = Duration::from_secs(10);
@@ -80,7 +80,7 @@ impl Behind {
     }
 
     /// A lease of `hold` ran out before its renewal went out: as late as a renewal can be.
-    pub(super) fn ran_out(&mut self, hold: &Holds, ttl: Duration) {
+    pub(super) fn ran_out(&mut self, hold: &Leased, ttl: Duration) {
         self.ran_out += 1;
         self.note(Duration::ZERO, ttl, &hold.lock());
     }
@@ -159,7 +159,7 @@ mod tests {
         let ttl = Duration::from_secs(3);
         let mut behind = Behind::default();
         behind.late(Duration::from_millis(900), ttl, "a");
-        behind.ran_out(&super::Holds::Set(Arc::from(Vec::new())), ttl);
+        behind.ran_out(&super::Leased::Set(Arc::from(Vec::new())), ttl);
         let warning = behind.warning(now).expect("warned at once");
         assert_eq!((warning.late, warning.ran_out), (1, 1));
         assert_eq!(warning.least_left, Duration::ZERO);

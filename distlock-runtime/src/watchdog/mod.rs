@@ -82,7 +82,7 @@ fn nanos(d: Duration) -> u64 {
 /// set's lease goes on only if every one of its locks was renewed, or `remaining()` would
 /// promise more than a lock that was not has left).
 #[derive(Debug, Clone)]
-pub(crate) enum Holds {
+pub(crate) enum Leased {
     /// One lock's hold.
     One(Arc<HoldIds>),
     /// The holds of a set's locks.
@@ -98,7 +98,7 @@ pub(crate) enum Holds {
     },
 }
 
-impl Holds {
+impl Leased {
     /// The holds to renew now.
     fn all(&self) -> Cow<'_, [Arc<HoldIds>]> {
         match self {
@@ -126,7 +126,7 @@ impl Holds {
 #[derive(Debug)]
 pub(crate) struct Renewable {
     /// The holds to renew: their locks, shares and owner tokens.
-    pub(crate) holds: Holds,
+    pub(crate) holds: Leased,
     pub(crate) metrics: crate::metrics::Labels,
 }
 
@@ -134,7 +134,7 @@ pub(crate) struct Renewable {
 /// backend, which that task renews through, and its waiters, woken when a lease is found
 /// lost (a lock taken away without a word: nobody else tells them).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Through<'a> {
+pub(crate) struct RenewalPath<'a> {
     pub(crate) driver: &'a Driver,
     pub(crate) backend: &'a Backend,
     pub(crate) waiters: &'a Waiters,
@@ -195,7 +195,7 @@ impl Leases {
 
 #[derive(Debug)]
 struct Lease {
-    hold: Holds,
+    hold: Leased,
     ttl: Duration,
     state: Arc<LeaseState>,
     next_renewal: Instant,
@@ -239,7 +239,7 @@ impl Watchdog {
     /// `max_hold` has passed since `acquired`, `through` the manager's driver and backend.
     pub(crate) fn register<'a>(
         &self,
-        through: impl Into<Through<'a>>,
+        through: impl Into<RenewalPath<'a>>,
         target: Renewable,
         state: Arc<LeaseState>,
         acquired: Instant,
@@ -275,7 +275,7 @@ impl Watchdog {
             (id, !std::mem::replace(&mut leases.running, true), wake)
         };
         if start {
-            let Through {
+            let RenewalPath {
                 driver,
                 backend,
                 waiters,
@@ -294,7 +294,7 @@ impl Watchdog {
 /// One lease of a batch: what to send, and where to put the answer.
 struct Due {
     id: u64,
-    hold: Holds,
+    hold: Leased,
     ttl: Duration,
     state: Arc<LeaseState>,
     metrics: crate::metrics::Labels,
