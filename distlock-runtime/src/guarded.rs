@@ -448,7 +448,7 @@ async fn write<T: FromRedisValue>(
     // Each call records its own nonce in its receipt. On Cluster a call always has one: the
     // Cluster client sends a request again when its connection dropped, and the receipt makes
     // that resend run nothing.
-    let nonce = crate::lock::new_token(manager.inner.waiters.manager_id());
+    let nonce = crate::token::new_token(manager.inner.waiters.manager_id());
     let mut batch = batch;
     let receipt_ttl = match &batch.receipt {
         Some(_) => RECEIPT_TTL,

@@ -100,6 +100,7 @@ pub mod request;
 mod retry;
 mod scripts;
 mod security;
+mod token;
 mod trace;
 mod waiters;
 mod watchdog;

@@ -20,10 +20,11 @@ use crate::guard::Acquired;
 use crate::holds::{KeepUntil, Listing, Live};
 use crate::key::Keys;
 use crate::lease::{LeaseState, check_ttl, keep_from};
-use crate::lock::{self, new_token};
+use crate::lock;
 use crate::manager::{Inner, LockManager};
 use crate::release::{Known, Outcome, Resend, SetRelease, Unanswered};
 use crate::request::{KeySet, LockRequest, MultiLockRequest, Plan, RequestKind, Target};
+use crate::token::new_token;
 use crate::watchdog::{Leased, Registration};
 use crate::{LockError, LockGuard};
 

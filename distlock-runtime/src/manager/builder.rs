@@ -480,7 +480,7 @@ impl LockManagerBuilder {
 
 /// A new manager's id: 64 bits drawn from the system's entropy (as a UUID v4 is), in hex.
 /// It names the manager's registration and its Redis connections, and is the first half of
-/// every owner token the manager makes (see `lock::new_token`).
+/// every owner token the manager makes (see `token::new_token`).
 fn new_manager_id() -> Arc<str> {
     format!("{:016x}", uuid::Uuid::new_v4().as_u64_pair().0).into()
 }

@@ -2,7 +2,7 @@
 //! this task's own lock, a lock handed over by a local release or passed within a cohort.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,14 @@ use crate::manager::{Inner, LockManager};
 use crate::release::{Known, OneHold};
 use crate::request::{LockRequest, Plan, RequestKind, Single, Target};
 use crate::watchdog::{Leased, Registration, Renewable};
+
+mod grant;
+mod nest;
+
+use crate::token::new_token;
+pub(crate) use grant::register_renewal;
+use grant::{build, granted};
+pub(crate) use nest::{nest, outer_hold};
 
 impl Target for Single {
     type Guard = LockGuard;
@@ -176,47 +184,6 @@ async fn take(manager: &LockManager, asking: Box<Server>) -> Result<LockGuard, L
     Ok(granted(manager, plan, request, kind, outcome))
 }
 
-/// Whether this task already holds the lock `plan` asks for, in a way that makes the request
-/// a nested hold of it (`Some`), a fresh owner (`None`), or a mistake (an error).
-pub(crate) fn outer_hold(
-    manager: &LockManager,
-    kind: RequestKind,
-    plan: &Plan<Keys>,
-) -> Result<Option<Arc<Held>>, LockError> {
-    let manager_addr = manager.inner.addr();
-    let Some(held) = context::find(manager_addr, &plan.keys.lock) else {
-        return Ok(None);
-    };
-    let key = || plan.keys.name.clone();
-    let nest = match kind {
-        RequestKind::Exclusive | RequestKind::Write => match held.kind {
-            HoldKind::Exclusive if held.reentrant && plan.options.reentrant => true,
-            HoldKind::Read if kind == RequestKind::Write => {
-                return Err(LockError::Upgrade { key: key() });
-            }
-            _ => false,
-        },
-        // Downgrade: the writer takes the read side as a nested hold of its write lock; or
-        // another read hold of the same share.
-        RequestKind::Read => matches!(held.kind, HoldKind::Exclusive | HoldKind::Read),
-        // Another permit is an independent holder, unless this code already holds every
-        // permit: it would wait for itself. Anything else on the key would wait for this
-        // task's own lock.
-        RequestKind::Permits(permits) if held.kind == HoldKind::Permit => {
-            if context::count(manager_addr, &plan.keys.lock) < permits as usize {
-                return Ok(None);
-            }
-            false
-        }
-        RequestKind::Permits(_) => false,
-    };
-    if nest {
-        Ok(Some(held))
-    } else {
-        Err(LockError::WouldDeadlock { key: key() })
-    }
-}
-
 /// A busy error whose holder the server named gets the holder's identity, read from its
 /// manager's registration (once per manager). Reading it is best effort: the error stays as
 /// it was if Redis does not answer.
@@ -245,240 +212,6 @@ async fn name_holder(manager: &LockManager, error: LockError) -> LockError {
         }
         error => error,
     }
-}
-
-/// The guard of what a request won: granted by the server, handed over by a local release,
-/// or passed locally within a cohort.
-fn granted(
-    manager: &LockManager,
-    plan: Plan<Keys>,
-    request: Arc<AcquireRequest>,
-    kind: HoldKind,
-    outcome: Outcome<u64>,
-) -> LockGuard {
-    let Outcome {
-        won,
-        attempts,
-        started,
-        queued,
-        ticket,
-        late_until,
-    } = outcome;
-    let (sent, fence, local) = match won {
-        Won::Asked { won, sent } => (sent, won, None),
-        Won::Handed(handed) => {
-            let (sent, local) = handed.claim();
-            (sent, 0, local)
-        }
-    };
-    let acquired = Acquired {
-        attempts,
-        waited: started.elapsed(),
-        sent,
-    };
-    crate::metrics::handed_over(plan.metrics, queued);
-    tracing::debug!(attempts, waited = ?acquired.waited, local = local.is_some(), "acquired");
-    let origin = match local {
-        Some(local) => Origin::Passed(local),
-        // The request's own strings become the hold's: no copy once its attempts are done.
-        None => Origin::Server {
-            ids: Arc::new(HoldIds {
-                late_until,
-                ..Arc::unwrap_or_clone(request).into_hold_ids()
-            }),
-            fence,
-        },
-    };
-    let guard = grant(manager, plan, kind, acquired, origin);
-    // The waiters behind see the holder until the guard exists.
-    drop(ticket);
-    guard
-}
-
-/// Where a first hold comes from.
-enum Origin {
-    /// The server granted it to `ids` (or a release handed it over through the server).
-    Server { ids: Arc<HoldIds>, fence: u64 },
-    /// A local release passed the server hold of the holder before on, as it is.
-    Passed(LocalPass),
-}
-
-/// The guard of a first hold: a new hold with a lease of its own, or, passed locally, a hold
-/// of its own on the server hold it takes over (the owner token and lease of the holder
-/// before it).
-fn grant(
-    manager: &LockManager,
-    plan: Plan<Keys>,
-    kind: HoldKind,
-    acquired: Acquired,
-    origin: Origin,
-) -> LockGuard {
-    let sent = acquired.sent;
-    let (ids, lease, set, start, fence, run) = match origin {
-        Origin::Server { ids, fence } => {
-            let lease = Arc::new(LeaseState::new(sent, plan.ttl));
-            let keep = keep_until(sent, plan.options.min_hold);
-            let shown = plan.options.fencing.then_some(fence);
-            (ids, lease, sent, (fence, keep, 0), shown, None)
-        }
-        // Renewals follow the shared lease from when it was last set (the first one may be
-        // due at once), not from the pass. Fenced locks never pass.
-        Origin::Passed(LocalPass { run, passes }) => {
-            let (ids, lease) = (run.ids().clone(), run.lease().clone());
-            let set = lease.valid_until().checked_sub(lease.ttl()).unwrap_or(sent);
-            (
-                ids,
-                lease,
-                set.min(sent),
-                (0, None, passes),
-                None,
-                Some(run),
-            )
-        }
-    };
-    let renewal = register_renewal(&manager.inner, &plan, Leased::One(ids.clone()), &lease, set);
-    let held = Held::first(&manager.inner, &plan, kind, ids, lease.clone(), start);
-    if let Some(run) = run {
-        let _ = held.run.set(run);
-    }
-    build(manager, plan, fence, lease, acquired, renewal, held)
-}
-
-/// A nested hold of `held`, which this code already owns, once the server confirms that the
-/// outer hold's token still holds the lock (one round trip): a nested acquire never answers
-/// `Ok` for a hold that is lost, stolen or being given back. Refused with
-/// [`LockError::Lost`] when the outer hold is known lost, when its last guard has left (its
-/// release is on its way), or when the server no longer has it (the shared lease is then
-/// marked lost, which every guard of the hold sees).
-pub(crate) async fn nest(
-    manager: &LockManager,
-    plan: Plan<Keys>,
-    held: Arc<Held>,
-) -> Result<LockGuard, LockError> {
-    let lost = |key: &str| LockError::Lost {
-        key: key.to_owned(),
-    };
-    if held.lease.is_lost() {
-        held.lease.mark_lost();
-        return Err(lost(&plan.keys.name));
-    }
-    let key = plan.keys.name.clone();
-    let Some(guard) = nested(manager, plan, held) else {
-        return Err(lost(&key));
-    };
-    // Dropped, the nested guard only counts itself off: the outer hold keeps the lock.
-    // An answer that came after the lease's local deadline vouches for nothing.
-    if !guard.is_held().await? || guard.held().lease.is_lost() {
-        guard.held().lease.mark_lost();
-        return Err(lost(&key));
-    }
-    Ok(guard)
-}
-
-/// The guard of a nested hold of `held`: it shares the outer hold's token, lease, share and
-/// fencing token, counted here. Its `min_hold` is kept when the last hold is released; with
-/// `watchdog`, it renews the shared lease too. Not recorded: the outer hold is already
-/// visible where it is taken. `None` when the last guard of `held` left meanwhile.
-fn nested(manager: &LockManager, plan: Plan<Keys>, held: Arc<Held>) -> Option<LockGuard> {
-    let sent = Instant::now();
-    if !held.enter(keep_until(sent, plan.options.min_hold)) {
-        return None;
-    }
-    let lease = held.lease.clone();
-    // Inside a set's lock, the lease is the set's: renewed for all of its locks or none.
-    let holds = match held.set.get() {
-        Some(_) => Leased::InSet {
-            ids: held.ids.clone(),
-            held: Arc::downgrade(&held),
-        },
-        None => Leased::One(held.ids.clone()),
-    };
-    let renewal = register_renewal(&manager.inner, &plan, holds, &lease, sent);
-    tracing::debug!("acquired a nested hold");
-    let acquired = Acquired {
-        attempts: 1,
-        waited: Duration::ZERO,
-        sent,
-    };
-    let fence = plan.options.fencing.then_some(held.fence);
-    Some(build(manager, plan, fence, lease, acquired, renewal, held))
-}
-
-/// The watchdog's renewal of `lease` (set at `set`), when the request asked for one.
-pub(crate) fn register_renewal<K>(
-    inner: &Arc<Inner>,
-    plan: &Plan<K>,
-    holds: Leased,
-    lease: &Arc<LeaseState>,
-    set: Instant,
-) -> Option<Registration> {
-    plan.options.watchdog.then(|| {
-        let target = Renewable {
-            holds,
-            metrics: plan.metrics,
-        };
-        inner
-            .watchdog
-            .register(inner, target, lease.clone(), set, plan.max_hold)
-    })
-}
-
-impl Held {
-    /// A first hold of a lock (`start`: its fencing token, until when its key must live,
-    /// and how many local passes it is from the server's grant): one guard, recorded in the
-    /// current frame unless the request says otherwise.
-    pub(crate) fn first<K>(
-        inner: &Arc<Inner>,
-        plan: &Plan<K>,
-        kind: HoldKind,
-        ids: Arc<HoldIds>,
-        lease: Arc<LeaseState>,
-        start: (u64, Option<Instant>, u32),
-    ) -> Arc<Self> {
-        let (fence, keep_until, passes) = start;
-        let held = Arc::new(Held {
-            manager_addr: inner.addr(),
-            reentrant: plan.options.reentrant,
-            kind,
-            ids,
-            fence,
-            lease,
-            guards: AtomicUsize::new(1),
-            keep_until: Mutex::new(keep_until),
-            cohort: !plan.options.solo,
-            passes,
-            run: std::sync::OnceLock::new(),
-            set: std::sync::OnceLock::new(),
-            wrote: std::sync::atomic::AtomicBool::new(false),
-        });
-        if !plan.options.unrecorded {
-            context::record(&held);
-        }
-        held
-    }
-}
-
-/// The guard, from its parts.
-fn build(
-    manager: &LockManager,
-    plan: Plan<Keys>,
-    fence: Option<u64>,
-    lease: Arc<LeaseState>,
-    acquired: Acquired,
-    renewal: Option<Registration>,
-    held: Arc<Held>,
-) -> LockGuard {
-    LockGuard::new(Parts {
-        manager: manager.clone(),
-        name: plan.keys.name,
-        fence,
-        lease,
-        acquired,
-        renewal,
-        held,
-        metrics: plan.metrics,
-        span: crate::trace::HoldSpan::default(),
-    })
 }
 
 impl Ask for Arc<AcquireRequest> {
@@ -607,53 +340,5 @@ fn shape_of(plan: &Plan<Keys>, token: &str, manager_id: &str) -> Shape {
             intent: intent(),
             permits: Some(permits),
         },
-    }
-}
-
-/// A new owner token: 128 bits in hex, the manager's id (64 bits drawn at random when it was
-/// built, which also names its registration: see `identity`) and 64 counting the tokens this
-/// process made, so that no two owners anywhere share one. Drawn without a system call per
-/// lock.
-pub(crate) fn new_token(manager_id: &str) -> String {
-    static COUNT: AtomicU64 = AtomicU64::new(0);
-    let mut token = Vec::with_capacity(32);
-    token.extend_from_slice(manager_id.as_bytes());
-    token.extend_from_slice(&hex(COUNT.fetch_add(1, Ordering::Relaxed)));
-    String::from_utf8(token).expect("hex digits are ASCII")
-}
-
-/// `n` as 16 hex digits, most significant first (as `{:016x}` would write them).
-fn hex(n: u64) -> [u8; 16] {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut digits = [0u8; 16];
-    for (at, digit) in digits.iter_mut().enumerate() {
-        *digit = HEX[(n >> (4 * (15 - at))) as usize & 0xf];
-    }
-    digits
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tokens_are_32_hex_digits_and_never_repeat() {
-        let (a, b) = (new_token("0123456789abcdef"), new_token("0123456789abcdef"));
-        for token in [&a, &b] {
-            assert_eq!(token.len(), 32, "{token}");
-            assert!(
-                token
-                    .bytes()
-                    .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
-            );
-        }
-        // One process part, then a count that moved on.
-        assert_eq!(a[..16], b[..16]);
-        let count = |t: &str| u64::from_str_radix(&t[16..], 16).unwrap();
-        assert!(count(&b) > count(&a));
-        assert_eq!(
-            a[..16],
-            format!("{:016x}", u64::from_str_radix(&a[..16], 16).unwrap())
-        );
     }
 }
