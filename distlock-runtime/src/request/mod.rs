@@ -14,6 +14,11 @@ use crate::manager::LockManager;
 use crate::metrics::Labels;
 use crate::retry::Backoff;
 
+mod plan;
+mod start;
+
+pub(crate) use plan::Plan;
+
 /// A request for a lock (or, as [`MultiLockRequest`], for a set of locks taken together),
 /// built by [`LockManager::lock`] and its siblings; send it with `acquire` or `try_acquire`.
 ///
@@ -132,97 +137,6 @@ impl<T: fmt::Debug> fmt::Debug for LockRequest<'_, T> {
     }
 }
 
-impl LockManager {
-    /// Starts a request for the exclusive lock named `key`.
-    ///
-    /// One name is one lock, whatever kinds it is used through: an exclusive lock waits while
-    /// the key is held as a read or write lock, a semaphore, or kept by another holder's
-    /// `min_hold`, and keeps all of them out while it is held.
-    ///
-    /// The key is checked when the request is sent: it must not be empty and may be at most
-    /// [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes.
-    pub fn lock(&self, key: impl Into<String>) -> LockRequest<'_> {
-        self.single(RequestKind::Exclusive, key.into())
-    }
-
-    /// Starts a request for the read side of the read-write lock named `key`: any number of
-    /// readers hold it together, each with its own owner token and lease, while no writer
-    /// does. A writer that is waiting keeps new readers out, so readers cannot starve it.
-    ///
-    /// A task that holds the write lock may take the read lock too (downgrade); the lock stays
-    /// exclusive until the write hold is released. Readers overlap only with readers: an
-    /// exclusive lock, a semaphore permit or a `min_hold` on the same key makes them wait.
-    pub fn read_lock(&self, key: impl Into<String>) -> LockRequest<'_> {
-        self.single(RequestKind::Read, key.into())
-    }
-
-    /// Starts a request for the write side of the read-write lock named `key`: held by one
-    /// owner, while no reader holds the read side. A task holding the read lock that asks for
-    /// the write lock gets [`LockError::Upgrade`] at once. Like an exclusive lock, it waits
-    /// for (and keeps out) every other kind of lock on the same key.
-    pub fn write_lock(&self, key: impl Into<String>) -> LockRequest<'_> {
-        self.single(RequestKind::Write, key.into())
-    }
-
-    /// Starts a request for one permit of the counting semaphore named `key`: at most
-    /// `permits` holders at a time, each with its own owner token and lease, so the permit of
-    /// a holder that dies returns by itself when its lease ends. Permit holders overlap only
-    /// with each other: any other kind of lock on the key makes them wait.
-    ///
-    /// The key remembers the `permits` it is in use with: while any permit is held, a request
-    /// with another number fails at once with [`LockError::PermitsMismatch`] (all users of one
-    /// key must agree on it); once every permit has been returned, another number may be
-    /// used. Zero is an error.
-    pub fn semaphore(&self, key: impl Into<String>, permits: u32) -> LockRequest<'_> {
-        self.single(RequestKind::Permits(permits), key.into())
-    }
-
-    /// Starts a request for the exclusive locks named `keys`, taken together: either every
-    /// one is held or none is.
-    ///
-    /// The order of `keys` does not matter: two requests that list the same keys in opposite
-    /// orders never deadlock, because a request never holds some of its keys while it waits
-    /// for the others. Names that are equal are taken once. Each lock is the same lock that
-    /// [`lock`](Self::lock) takes on that name, so a set waits for (and keeps out) single
-    /// locks and every other kind of lock on any of its keys.
-    ///
-    /// ```no_run
-    /// # async fn run(locks: distlock_runtime::LockManager) -> Result<(), distlock_runtime::LockError> {
-    /// use std::time::Duration;
-    ///
-    /// let guard = locks
-    ///     .lock_all(["account:1", "account:2"])
-    ///     .ttl(Duration::from_secs(10))
-    ///     .wait(Duration::from_secs(5))
-    ///     .acquire()
-    ///     .await?;
-    /// // ... move the money ...
-    /// guard.release().await?;
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn lock_all<I>(&self, keys: I) -> MultiLockRequest<'_>
-    where
-        I: IntoIterator,
-        I::Item: Into<String>,
-    {
-        let keys = keys.into_iter().map(Into::into).collect();
-        LockRequest {
-            manager: self,
-            target: KeySet { keys },
-            options: Options::default(),
-        }
-    }
-
-    fn single(&self, kind: RequestKind, key: String) -> LockRequest<'_> {
-        LockRequest {
-            manager: self,
-            target: Single { kind, key },
-            options: Options::default(),
-        }
-    }
-}
-
 impl<T> LockRequest<'_, T> {
     /// Leaves the hold out of the current frame: the caller runs the code it protects in a
     /// frame of its own that holds it.
@@ -315,82 +229,6 @@ impl<T> LockRequest<'_, T> {
         self.options.template = Some(template);
         self
     }
-
-    /// Every option resolved against the manager's defaults and checked, for `keys` of
-    /// `kind` (`what` names them in a lease error); the target's own checks come after.
-    pub(crate) fn plan<K>(
-        &self,
-        kind: RequestKind,
-        keys: K,
-        what: &str,
-    ) -> Result<Plan<K>, LockError> {
-        let (manager, options) = (self.manager, self.options);
-        let defaults = manager.defaults();
-        let ttl = options.ttl.unwrap_or(defaults.ttl);
-        check_ttl(ttl)
-            .map_err(|reason| LockError::invalid("ttl", format!("the lease of {what} {reason}")))?;
-        if options.fencing && !manager.inner.backend.capabilities().fencing {
-            return Err(LockError::invalid(
-                "fencing",
-                "fencing tokens need one counter; RedLock masters count independently",
-            ));
-        }
-        // With only a time bound, keep trying until it runs out.
-        let retries = match (options.retries, options.wait) {
-            (Some(retries), _) => retries,
-            (None, Some(_)) => u32::MAX,
-            (None, None) if defaults.wait.is_some() && defaults.retries == 0 => u32::MAX,
-            (None, None) => defaults.retries,
-        };
-        let template = options.template.unwrap_or("<manual>");
-        Ok(Plan {
-            keys,
-            kind,
-            ttl,
-            retries,
-            backoff: Backoff::new(options.retry_delay.unwrap_or(defaults.retry_delay)),
-            // Longer than any lease: no time bound at all.
-            wait: options
-                .wait
-                .or(defaults.wait)
-                .filter(|wait| *wait <= MAX_TTL),
-            max_hold: options.max_hold.or(defaults.max_hold),
-            options,
-            metrics: Labels::new(template, kind),
-        })
-    }
-}
-
-/// A request with every option resolved and checked: `keys` are those of one lock ([`Keys`])
-/// or of a set (a `Vec` of them). The flags are read from `options` as the caller set them.
-#[derive(Debug, Clone)]
-pub(crate) struct Plan<K> {
-    pub(crate) keys: K,
-    pub(crate) kind: RequestKind,
-    pub(crate) ttl: Duration,
-    pub(crate) retries: u32,
-    pub(crate) backoff: Backoff,
-    pub(crate) wait: Option<Duration>,
-    pub(crate) max_hold: Option<Duration>,
-    pub(crate) options: Options,
-    pub(crate) metrics: Labels,
-}
-
-impl<K> Plan<K> {
-    /// The same plan, for other keys (a set's plan for one of its keys).
-    pub(crate) fn with_keys<L>(&self, keys: L) -> Plan<L> {
-        Plan {
-            keys,
-            kind: self.kind,
-            ttl: self.ttl,
-            retries: self.retries,
-            backoff: self.backoff,
-            wait: self.wait,
-            max_hold: self.max_hold,
-            options: self.options,
-            metrics: self.metrics,
-        }
-    }
 }
 
 /// The options of one lock that a set does not take: a set keeps no `min_hold`, waits in no
@@ -447,108 +285,5 @@ impl LockRequest<'_> {
     pub fn cohort(mut self, cohort: bool) -> Self {
         self.options.solo = !cohort;
         self
-    }
-}
-
-impl LockRequest<'_> {
-    /// The plan of a request for one lock: the common checks, then those of its kind.
-    pub(crate) fn into_plan(mut self) -> Result<Plan<Keys>, LockError> {
-        let key = std::mem::take(&mut self.target.key);
-        let keys = Keys::new(&self.manager.inner.prefix, key)?;
-        let what = format!("`{}`", keys.name);
-        let plan = self.plan(self.target.kind, keys, &what)?;
-        check_kind(self.manager, &plan)?;
-        check_holds(&plan.options)?;
-        Ok(plan)
-    }
-}
-
-/// `max_hold` and `min_hold`, when set, must be longer than zero.
-fn check_holds(options: &Options) -> Result<(), LockError> {
-    for (what, value) in [
-        ("max_hold", options.max_hold),
-        ("min_hold", options.min_hold),
-    ] {
-        if value.is_some_and(|v| v.is_zero()) {
-            return Err(LockError::invalid(
-                what,
-                format!("`{what}` must be greater than zero"),
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// The checks of a single lock's kind against its options and the backend.
-fn check_kind(manager: &LockManager, plan: &Plan<Keys>) -> Result<(), LockError> {
-    let capabilities = manager.inner.backend.capabilities();
-    let (kind, options, name) = (plan.kind, &plan.options, &plan.keys.name);
-    if kind != RequestKind::Exclusive && !capabilities.shared_kinds {
-        return Err(LockError::invalid(
-            "lock kind",
-            "read-write locks and semaphores are not available with RedLock",
-        ));
-    }
-    if options.fair {
-        let refused = if kind != RequestKind::Exclusive {
-            Some("fair locks are exclusive: not for read-write locks or semaphores")
-        } else if options.fencing {
-            Some("fair locks do not draw fencing tokens")
-        } else if options.min_hold.is_some() {
-            Some("fair locks do not keep a `min_hold`")
-        } else if !capabilities.fair {
-            Some("fair locks need one queue; RedLock masters would each keep their own")
-        } else {
-            None
-        };
-        if let Some(reason) = refused {
-            return Err(LockError::invalid("fair", reason));
-        }
-    }
-    if kind == RequestKind::Permits(0) {
-        return Err(LockError::invalid(
-            "permits",
-            format!("semaphore `{name}` needs at least one permit"),
-        ));
-    }
-    if options.min_hold.is_some() && matches!(kind, RequestKind::Read | RequestKind::Permits(_)) {
-        return Err(LockError::invalid(
-            "min_hold",
-            "`min_hold` applies to exclusive and write locks, not to read locks or permits",
-        ));
-    }
-    if let Some(min_hold) = options.min_hold.filter(|min_hold| *min_hold > plan.ttl) {
-        return Err(LockError::invalid(
-            "min_hold",
-            format!(
-                "`min_hold` ({min_hold:?}) must not be longer than the lease ({:?})",
-                plan.ttl
-            ),
-        ));
-    }
-    Ok(())
-}
-
-impl MultiLockRequest<'_> {
-    /// The plan of a set: its keys checked and taken once each, in the order first named.
-    pub(crate) fn plan_set(&mut self) -> Result<Plan<Vec<Keys>>, LockError> {
-        let mut keys: Vec<Keys> = Vec::with_capacity(self.target.keys.len());
-        for name in std::mem::take(&mut self.target.keys) {
-            let key = Keys::new(&self.manager.inner.prefix, name)?;
-            if keys.iter().all(|k| k.lock != key.lock) {
-                keys.push(key);
-            }
-        }
-        if keys.is_empty() {
-            return Err(LockError::invalid(
-                "keys",
-                "`lock_all` needs at least one key",
-            ));
-        }
-        // A set never passes locally.
-        self.options.solo = true;
-        let plan = self.plan(RequestKind::Exclusive, keys, "a lock set")?;
-        check_holds(&plan.options)?;
-        Ok(plan)
     }
 }
