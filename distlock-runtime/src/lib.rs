@@ -83,6 +83,7 @@ pub mod fence;
 mod guard;
 mod guarded;
 mod handed;
+mod held;
 mod holder;
 mod holds;
 mod id_map;
