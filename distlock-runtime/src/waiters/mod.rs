@@ -599,6 +599,18 @@ impl KeyState {
         }
     }
 
+    /// The key's wake channel is followed from now on, in the connection of `generation`.
+    /// Whatever was announced before went unheard: a head that trusted a task of this
+    /// manager to wake it (an operator's forced release meanwhile announces nothing to this
+    /// manager otherwise) asks the server once more.
+    fn subscribed(&self, generation: u64) {
+        self.subscribed_in.store(generation, Ordering::Release);
+        let trusted = self.lock_queue().held_here.take().is_some();
+        if trusted {
+            self.woken();
+        }
+    }
+
     fn lock_last_failure(&self) -> std::sync::MutexGuard<'_, Option<redis::RedisError>> {
         self.last_failure.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -137,7 +137,7 @@ impl Shared {
         };
         match tokio::time::timeout(self.response_timeout, connection.subscribe(&key.channel)).await
         {
-            Ok(Ok(())) => key.subscribed_in.store(generation, Ordering::Release),
+            Ok(Ok(())) => key.subscribed(generation),
             Ok(Err(error)) => {
                 tracing::debug!(%error, "subscribe failed; waiting on timers");
                 self.drop_connection(&mut sink);

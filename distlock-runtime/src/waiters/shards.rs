@@ -233,7 +233,7 @@ impl Shared {
             .shard_command(&mut shard, "SSUBSCRIBE", &key.channel)
             .await;
         match answer {
-            Ok(()) => key.subscribed_in.store(generation, Ordering::Release),
+            Ok(()) => key.subscribed(generation),
             Err(Some(moved_to)) => return Some(moved_to),
             Err(None) => {
                 self.drop_shard(&mut shard, master);
