@@ -196,7 +196,7 @@ MUTATIONS = [
     ("watcher: distlock's death leaves what the command started running", "cli",
      [("src/bin/distlock/watcher.rs",
        "    let _ = killpg(nix::unistd::Pid::from_raw(group), Signal::SIGKILL);\n",
-       "    let _ = (killpg, Signal::SIGKILL, group);\n")]),
+       "    let _ = (killpg(nix::unistd::Pid::from_raw(group), None), Signal::SIGKILL);\n")]),
     # --- Rust: connections on a real network
     ("waiters: a lost pub/sub connection is not followed again", "partitions",
      [(RT + "waiters/pubsub.rs", "        shared.lost_connection(generation);\n        shared.recover(&backend);",
