@@ -528,19 +528,44 @@ async fn a_late_attempt_of_a_request_that_gave_up_is_given_back(d: &Deployment) 
     .await;
 }
 
+/// Until the wake channel of `key` under `prefix` is followed somewhere in `d`.
+async fn until_followed(d: &Deployment, prefix: &str, key: &str) {
+    let wake = format!("{prefix}{{{key}}}:wake");
+    until(Duration::from_secs(10), "the wake channel followed", || {
+        (d.data().iter())
+            .filter_map(|node| node.command(&["PUBSUB", "NUMSUB", &wake]).ok())
+            .any(|reply| {
+                reply
+                    .lines()
+                    .nth(1)
+                    .is_some_and(|n| n.trim_start_matches(':') != "0")
+            })
+    })
+    .await;
+}
+
+/// A request for `k` with a 6 s lease the watchdog renews.
+fn watched(locks: &LockManager) -> distlock::LockRequest<'_> {
+    locks.lock("k").ttl(Duration::from_secs(6)).watchdog(true)
+}
+
 /// As `a_waiter_behind_its_own_managers_holder_takes_a_force_released_lock`, with the key
 /// deleted behind distlock's back (which announces nothing): the holder's watchdog finds its
 /// lease lost at its next renewal, and that wakes the waiter behind it.
 async fn a_waiter_behind_its_own_managers_holder_takes_a_deleted_lock(d: &Deployment) {
     let prefix = unique_prefix("seams-deleted-here");
     let a = d.manager(&prefix).await;
-    let holder = a
-        .lock("k")
-        .ttl(Duration::from_secs(3))
-        .watchdog(true)
-        .acquire()
-        .await
-        .unwrap();
+    // The holder got the key by a hand-off from a release of the same manager, whose channel
+    // was followed by then: the waiter behind it trusts it to hand the key on.
+    let first = watched(&a).acquire().await.unwrap();
+    let second = tokio::spawn({
+        let a = a.clone();
+        async move { watched(&a).wait(Duration::from_secs(10)).acquire().await }
+    });
+    support::until_waiting(&a, 1).await;
+    until_followed(d, &prefix, "k").await;
+    first.release().await.unwrap();
+    let holder = second.await.unwrap().unwrap();
     let waiter = tokio::spawn({
         let a = a.clone();
         async move {
@@ -560,10 +585,10 @@ async fn a_waiter_behind_its_own_managers_holder_takes_a_deleted_lock(d: &Deploy
     let deleted = Instant::now();
     holder.lost().await;
     let entered = waiter.await.unwrap();
-    // Its renewals come every second: the first after the deletion finds the lease lost and
-    // wakes the waiter, which does not wait for the 3 s its holder's lease would have run.
+    // Renewals come every 2 s: the first after the deletion finds the lease lost and wakes
+    // the waiter, which does not sleep out the 6 s its holder's lease would have run.
     assert!(
-        entered.saturating_duration_since(deleted) < Duration::from_millis(2_200),
+        entered.saturating_duration_since(deleted) < Duration::from_millis(3_500),
         "the waiter took the deleted key after {:?}",
         entered.saturating_duration_since(deleted)
     );
