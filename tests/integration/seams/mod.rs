@@ -313,8 +313,13 @@ async fn a_waiter_behind_its_own_managers_holder_takes_a_force_released_lock(d: 
         }
     });
     support::until_waiting(&a, 1).await;
-    let removed = operator.force_release("k").await.unwrap();
-    assert_eq!(removed.unwrap().holders[0].token, holder.token());
+    let removed = operator.force_release("k").await.unwrap().unwrap();
+    // (On RedLock, a master the release before had not reached yet may name that token too.)
+    assert!(
+        removed.holders.iter().any(|h| h.token == holder.token()),
+        "the forced release removed {:?}",
+        removed.holders
+    );
     let waited = waiter.await.unwrap();
     assert!(
         waited < Duration::from_secs(3),
