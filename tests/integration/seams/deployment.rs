@@ -3,8 +3,9 @@
 //! fault proxies.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use distlock::testing::{FaultProxy, RedisServer};
+use distlock::testing::{Fault, FaultProxy, RedisServer};
 use distlock::{LockManager, LockManagerBuilder};
 
 use crate::support::{self, SentinelGroup};
@@ -74,9 +75,40 @@ impl Deployment {
         self
     }
 
-    /// The proxies of [`through_proxies`](Self::through_proxies).
-    pub(super) fn proxies(&self) -> &[FaultProxy] {
-        &self.proxies
+    /// Holds back by `delay` what goes through the proxies from now on; answers how much each
+    /// had held back before.
+    pub(super) fn hold_back(&self, delay: Duration) -> Vec<u64> {
+        for proxy in &self.proxies {
+            proxy.set(Fault::Latency(delay));
+        }
+        self.proxies.iter().map(FaultProxy::delayed).collect()
+    }
+
+    /// Once a proxy has held something back since `before` (`what`, in the failure), lets
+    /// everything through.
+    pub(super) async fn pass_once_held(&self, before: &[u64], what: &str) {
+        let held = || (self.proxies.iter().zip(before)).any(|(p, before)| p.delayed() > *before);
+        super::until(Duration::from_secs(5), what, held).await;
+        for proxy in &self.proxies {
+            proxy.set(Fault::Pass);
+        }
+    }
+
+    /// Waits until everything the proxies held back has been delivered: whether the lock
+    /// `key` under `prefix` was seen in Redis meanwhile, or is there now.
+    pub(super) async fn seen_until_delivered(&self, prefix: &str, key: &str) -> bool {
+        let mut seen = false;
+        let delivered = || {
+            seen |= self.keys(prefix).iter().any(|k| k == key);
+            self.proxies.iter().all(|p| p.held_back() == 0)
+        };
+        super::until(
+            Duration::from_secs(5),
+            "everything held back delivered",
+            delivered,
+        )
+        .await;
+        seen || self.keys(prefix).iter().any(|k| k == key)
     }
 
     /// Where the locks live: the server, every Cluster node, the Sentinels' master, or every

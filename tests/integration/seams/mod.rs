@@ -8,7 +8,6 @@ mod deployment;
 
 use std::time::{Duration, Instant};
 
-use distlock::testing::Fault;
 use distlock::{LockError, LockManager, distributed_lock};
 
 use deployment::Deployment;
@@ -332,7 +331,7 @@ async fn a_waiter_behind_its_own_managers_holder_takes_a_force_released_lock(d: 
 }
 
 /// Polls `done` every few milliseconds until it holds; fails naming `what` after `within`.
-async fn until(within: Duration, what: &str, mut done: impl FnMut() -> bool) {
+pub(super) async fn until(within: Duration, what: &str, mut done: impl FnMut() -> bool) {
     let started = Instant::now();
     while !done() {
         assert!(started.elapsed() < within, "{what} did not happen");
@@ -354,10 +353,7 @@ async fn a_late_first_attempt_never_keeps_the_key_after_its_retry_was_released(
     let key = format!("{prefix}{{k}}");
     // The first attempt is held back 1 s by the network, far past its response timeout; the
     // retry goes through at once and is granted.
-    for proxy in d.proxies() {
-        proxy.set(Fault::Latency(Duration::from_secs(1)));
-    }
-    let before: Vec<u64> = d.proxies().iter().map(|p| p.delayed()).collect();
+    let before = d.hold_back(Duration::from_secs(1));
     let request = tokio::spawn({
         let locks = locks.clone();
         async move {
@@ -369,32 +365,15 @@ async fn a_late_first_attempt_never_keeps_the_key_after_its_retry_was_released(
                 .await
         }
     });
-    until(
-        Duration::from_secs(5),
-        "the first attempt reaching the proxy",
-        || (d.proxies().iter().zip(&before)).any(|(p, before)| p.delayed() > *before),
-    )
-    .await;
-    for proxy in d.proxies() {
-        proxy.set(Fault::Pass);
-    }
+    d.pass_once_held(&before, "the first attempt reaching the proxy")
+        .await;
     let guard = request.await.unwrap().unwrap();
     assert!(guard.attempts() >= 2, "granted by a retry");
     guard.release().await.unwrap();
     // Then the first attempt lands, on a key nobody holds, and takes it for the released
     // token: the release is sent again once no late delivery can happen, well inside the
     // 30 s lease it would otherwise keep.
-    let mut landed = false;
-    until(
-        Duration::from_secs(5),
-        "everything held back delivered",
-        || {
-            landed |= d.keys(&prefix).contains(&key);
-            d.proxies().iter().all(|p| p.held_back() == 0)
-        },
-    )
-    .await;
-    landed |= d.keys(&prefix).contains(&key);
+    let landed = d.seen_until_delivered(&prefix, &key).await;
     // A Cluster lane is one connection per master: the retry went after the first attempt on
     // it, so the first attempt landed before its retry, not after the release.
     assert!(
@@ -484,10 +463,7 @@ async fn a_late_attempt_of_a_request_that_gave_up_is_given_back(d: &Deployment) 
     )
     .await;
     let key = format!("{prefix}{{k}}");
-    for proxy in d.proxies() {
-        proxy.set(Fault::Latency(Duration::from_secs(2)));
-    }
-    let before: Vec<u64> = d.proxies().iter().map(|p| p.delayed()).collect();
+    let before = d.hold_back(Duration::from_secs(2));
     let request = tokio::spawn({
         let locks = locks.clone();
         async move {
@@ -499,15 +475,8 @@ async fn a_late_attempt_of_a_request_that_gave_up_is_given_back(d: &Deployment) 
                 .await
         }
     });
-    until(
-        Duration::from_secs(5),
-        "the first attempt reaching the proxy",
-        || (d.proxies().iter().zip(&before)).any(|(p, before)| p.delayed() > *before),
-    )
-    .await;
-    for proxy in d.proxies() {
-        proxy.set(Fault::Pass);
-    }
+    d.pass_once_held(&before, "the first attempt reaching the proxy")
+        .await;
     let gave_up = request.await.unwrap();
     assert!(
         gave_up.is_err(),
@@ -515,17 +484,7 @@ async fn a_late_attempt_of_a_request_that_gave_up_is_given_back(d: &Deployment) 
         gave_up.map(|_| ())
     );
     held.release().await.unwrap();
-    let mut landed = false;
-    until(
-        Duration::from_secs(5),
-        "everything held back delivered",
-        || {
-            landed |= d.keys(&prefix).contains(&key);
-            d.proxies().iter().all(|p| p.held_back() == 0)
-        },
-    )
-    .await;
-    landed |= d.keys(&prefix).contains(&key);
+    let landed = d.seen_until_delivered(&prefix, &key).await;
     assert!(landed, "the first attempt did not land after the release");
     until(Duration::from_secs(10), "the late grant given back", || {
         !d.keys(&prefix).contains(&key)
@@ -651,20 +610,10 @@ async fn a_release_whose_reply_was_lost_never_answers_ok_for_a_lock_gone_before(
         .unwrap();
     d.delete(&prefix, "k");
     let thief = other.lock("k").acquire().await.unwrap();
-    for proxy in d.proxies() {
-        proxy.set(Fault::Latency(Duration::from_secs(1)));
-    }
-    let before: Vec<u64> = d.proxies().iter().map(|p| p.delayed()).collect();
+    let before = d.hold_back(Duration::from_secs(1));
     let release = tokio::spawn(async move { holder.release().await });
-    until(
-        Duration::from_secs(5),
-        "the release reaching the proxy",
-        || (d.proxies().iter().zip(&before)).any(|(p, before)| p.delayed() > *before),
-    )
-    .await;
-    for proxy in d.proxies() {
-        proxy.set(Fault::Pass);
-    }
+    d.pass_once_held(&before, "the release reaching the proxy")
+        .await;
     let released = release.await.unwrap();
     assert!(
         released.is_err(),
