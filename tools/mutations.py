@@ -101,7 +101,7 @@ MUTATIONS = [
      [(RT + "release/hold.rs", "\"passed locally\");\n                Ok((run, check))",
        "\"passed locally\");\n                Err(())")]),
     ("cohort: the run check skipped (it always finds the hold)", "cohorts",
-     [(RT + "cohort.rs", "let answer = run.backend.holds_plain(&run.ids).await;",
+     [(RT + "cohort.rs", "let answer = run.backend.is_held_plain(&run.ids).await;",
        "let answer = Ok(true);")]),
     ("release: the run check skipped by a release that passed the lock on", "cohorts",
      [(RT + "release/hold.rs", "return Ok(Box::pin(self.checked(&run, check)).await);",

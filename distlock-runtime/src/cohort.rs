@@ -322,7 +322,7 @@ async fn check(run: Arc<CohortRun>, number: u64) {
     let mut in_flight = InFlight(Some(&run));
     let mut number = number;
     loop {
-        let answer = run.backend.holds_plain(&run.ids).await;
+        let answer = run.backend.is_held_plain(&run.ids).await;
         match run.answered(number, answer) {
             Some(next) => number = next,
             None => break,

@@ -194,8 +194,8 @@ impl LockGuard {
             .inner
             .exec(move |backend| async move {
                 match hold.plain {
-                    true => backend.holds_plain(&hold).await,
-                    false => backend.holds(&hold.lock, hold.shared, &hold.token).await,
+                    true => backend.is_held_plain(&hold).await,
+                    false => backend.is_held(&hold.lock, hold.shared, &hold.token).await,
                 }
             })
             .await?

@@ -465,7 +465,7 @@ impl MultiGuard {
             let (lock, token) = (key.lock.clone(), self.request.token.clone());
             self.manager
                 .inner
-                .exec(move |backend| async move { backend.holds(&lock, false, &token).await })
+                .exec(move |backend| async move { backend.is_held(&lock, false, &token).await })
         });
         for (answer, keys) in futures_util::future::join_all(checks)
             .await

@@ -259,24 +259,24 @@ impl Backend {
     }
 
     /// Whether the token holds the lock (on a majority).
-    pub(crate) async fn holds(&self, lock: &str, shared: bool, token: &str) -> RedisResult<bool> {
+    pub(crate) async fn is_held(&self, lock: &str, shared: bool, token: &str) -> RedisResult<bool> {
         let hold = HoldRef {
             lock,
             shared,
             token,
         };
         each!(self,
-            node => node.holds(hold).await,
-            masters => masters.holds(hold).await)
+            node => node.is_held(hold).await,
+            masters => masters.is_held(hold).await)
     }
 
     /// Whether the token of `ids` holds its plain lock (the string form; on a majority): the
     /// check of a cohort's run, one `GET` per endpoint.
-    pub(crate) async fn holds_plain(&self, ids: &HoldIds) -> RedisResult<bool> {
+    pub(crate) async fn is_held_plain(&self, ids: &HoldIds) -> RedisResult<bool> {
         let (lock, token) = (&ids.lock, &ids.token);
         each!(self,
-            node => node.holds_plain(lock, token).await,
-            masters => masters.holds_plain(lock, token).await)
+            node => node.is_held_plain(lock, token).await,
+            masters => masters.is_held_plain(lock, token).await)
     }
 
     /// Takes back a waiting writer's intent (see [`Node::withdraw_intent`]). RedLock has no

@@ -273,14 +273,14 @@ impl RedLock {
     }
 
     /// Whether the token holds the lock (on a majority).
-    pub(crate) async fn holds(&self, hold: HoldRef<'_>) -> RedisResult<bool> {
-        let answers = join_all(self.nodes.iter().map(|n| n.holds(hold))).await;
+    pub(crate) async fn is_held(&self, hold: HoldRef<'_>) -> RedisResult<bool> {
+        let answers = join_all(self.nodes.iter().map(|n| n.is_held(hold))).await;
         self.tally().yes(answers)
     }
 
     /// Whether the token holds the plain lock (on a majority).
-    pub(crate) async fn holds_plain(&self, lock: &str, token: &str) -> RedisResult<bool> {
-        let answers = join_all(self.nodes.iter().map(|n| n.holds_plain(lock, token))).await;
+    pub(crate) async fn is_held_plain(&self, lock: &str, token: &str) -> RedisResult<bool> {
+        let answers = join_all(self.nodes.iter().map(|n| n.is_held_plain(lock, token))).await;
         self.tally().yes(answers)
     }
 

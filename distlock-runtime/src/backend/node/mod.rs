@@ -443,7 +443,7 @@ impl Node {
 
     /// Whether the token of `hold` still owns its lock (for a share: whether the share's
     /// lease lives, which only a script can compare with the server's clock).
-    pub(crate) async fn holds(&self, hold: HoldRef<'_>) -> RedisResult<bool> {
+    pub(crate) async fn is_held(&self, hold: HoldRef<'_>) -> RedisResult<bool> {
         let HoldRef {
             lock,
             shared,
@@ -475,7 +475,7 @@ impl Node {
 
     /// Whether `token` holds the plain lock `lock` (the string form): one `GET`, compared
     /// here. Another kind's hash at the key is not this owner's plain lock.
-    pub(crate) async fn holds_plain(&self, lock: &str, token: &str) -> RedisResult<bool> {
+    pub(crate) async fn is_held_plain(&self, lock: &str, token: &str) -> RedisResult<bool> {
         let mut conn = self.conn().await?;
         let mut get = command("GET", 1, lock.len());
         get.arg(lock);
