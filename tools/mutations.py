@@ -10,6 +10,7 @@ tree is restored after each one, whatever happens.
 
     python3 tools/mutations.py               # every mutation (about an hour on 2 cores)
     python3 tools/mutations.py unlock renew  # those whose name contains any of the words
+    python3 tools/mutations.py --check       # every mutation still plants where its code is
 
 Not part of CI: too long. Prints a Markdown table: mutation, caught by, time.
 """
@@ -259,7 +260,25 @@ def restore(saved):
         (ROOT / file).write_text(source)
 
 
+def check():
+    """Every mutation's text occurs exactly once in the file it names: none is left behind
+    by a move of its code (CI runs this; it builds nothing)."""
+    stale = []
+    for name, _, edits in MUTATIONS:
+        for file, text, _ in edits:
+            path = ROOT / file
+            count = path.read_text().count(text) if path.is_file() else 0
+            if count != 1:
+                stale.append(f"{name}: {file} has its text {count} times")
+    for line in stale:
+        print(line)
+    print(f"{len(MUTATIONS)} mutations, {len(stale)} stale")
+    sys.exit(1 if stale else 0)
+
+
 def main():
+    if sys.argv[1:] == ["--check"]:
+        check()
     words = sys.argv[1:]
     chosen = [m for m in MUTATIONS if not words or any(w in m[0] for w in words)]
     print("baseline: the unmutated tree must pass", flush=True)
