@@ -84,10 +84,20 @@ impl Deployment {
         self.proxies.iter().map(FaultProxy::delayed).collect()
     }
 
-    /// Once a proxy has held something back since `before` (`what`, in the failure), lets
-    /// everything through.
+    /// Once the proxies have held something back since `before` (`what`, in the failure),
+    /// lets everything through: on RedLock every master's proxy (an attempt asks them all,
+    /// and a majority answered in time would grant it), elsewhere the one the command went to.
     pub(super) async fn pass_once_held(&self, before: &[u64], what: &str) {
-        let held = || (self.proxies.iter().zip(before)).any(|(p, before)| p.delayed() > *before);
+        let every = matches!(self.servers, Servers::RedLock(_));
+        let held = || {
+            let mut each = self.proxies.iter().zip(before);
+            let held = |(p, before): (&FaultProxy, &u64)| p.delayed() > *before;
+            if every {
+                each.all(held)
+            } else {
+                each.any(held)
+            }
+        };
         super::until(Duration::from_secs(5), what, held).await;
         for proxy in &self.proxies {
             proxy.set(Fault::Pass);
