@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use crate::LockError;
 use crate::backend::HoldIds;
 use crate::context::Held;
-use crate::holds::{KeepUntil, Listing, Live};
+use crate::holds::{KeepUntil, ListedHold, Listing};
 use crate::lease::{LeaseState, check_ttl};
 use crate::manager::LockManager;
 use crate::release::{Resend, Unanswered};
@@ -57,7 +57,7 @@ pub struct LockGuard {
 impl LockGuard {
     pub(crate) fn new(parts: Parts) -> Self {
         let held = Arc::downgrade(&parts.held);
-        let live = Live {
+        let live = ListedHold {
             ids: parts.held.ids.clone(),
             keep_until: KeepUntil::new(move || held.upgrade().and_then(|held| held.keep_until())),
             lease: parts.lease.clone(),

@@ -16,7 +16,7 @@ use crate::lease::LeaseState;
 
 /// A hold as the manager lists it, for [`LockManager::shutdown`](crate::LockManager::shutdown).
 #[derive(Debug)]
-pub(crate) struct Live {
+pub(crate) struct ListedHold {
     pub(crate) ids: Arc<HoldIds>,
     /// Until when its key is kept (`min_hold`), read when it is given back: a hold nested in
     /// it since it was listed may have asked for longer.
@@ -54,7 +54,7 @@ pub(crate) struct HoldList {
 
 #[derive(Debug, Default)]
 struct Listed {
-    by_id: IdMap<u64, Live>,
+    by_id: IdMap<u64, ListedHold>,
     next_id: u64,
 }
 
@@ -76,7 +76,7 @@ impl HoldList {
 
     /// Lists the holds of one guard together: [`Listing::Unlisted`] once the manager has
     /// shut down.
-    pub(crate) fn list(&self, holds: impl IntoIterator<Item = Live>) -> Listing {
+    pub(crate) fn list(&self, holds: impl IntoIterator<Item = ListedHold>) -> Listing {
         let mut listed = self.lock();
         if self.is_shut_down() {
             return Listing::Unlisted;
@@ -135,8 +135,8 @@ impl HoldList {
 
     /// Marks the manager shut down, and takes every listed hold off the list, its lease
     /// marked lost, for the caller to give back; nothing the second time.
-    pub(crate) fn shut_down(&self) -> Vec<Live> {
-        let live: Vec<Live> = {
+    pub(crate) fn shut_down(&self) -> Vec<ListedHold> {
+        let live: Vec<ListedHold> = {
             let mut listed = self.lock();
             if self.shut_down.send_replace(true) {
                 return Vec::new();
@@ -156,7 +156,7 @@ mod tests {
 
     use super::*;
 
-    fn live(n: u8) -> Live {
+    fn live(n: u8) -> ListedHold {
         let ids = HoldIds {
             lock: format!("lock{n}"),
             wake: format!("wake{n}"),
@@ -166,7 +166,7 @@ mod tests {
             fair: None,
             late_until: None,
         };
-        Live {
+        ListedHold {
             ids: Arc::new(ids),
             keep_until: KeepUntil::new(|| None),
             lease: Arc::new(LeaseState::new(Instant::now(), Duration::from_secs(10))),

@@ -15,9 +15,9 @@ use tracing::Instrument;
 
 use crate::backend::{AcquireAnswer, HoldIds, SetKey, SetRequest};
 use crate::context::{Held, HoldKind};
-use crate::engine::{Ask, Engine, Won};
+use crate::engine::{Claim, Engine, Won};
 use crate::guard::Acquired;
-use crate::holds::{KeepUntil, Listing, Live};
+use crate::holds::{KeepUntil, ListedHold, Listing};
 use crate::key::Keys;
 use crate::lease::{LeaseState, check_ttl, keep_from};
 use crate::lock;
@@ -222,7 +222,7 @@ fn grant_set(
     // Each lock listed as the first hold it is, for shutdown to give back.
     let listing = inner.holds.list(holds.iter().zip(&held).map(|(ids, one)| {
         let one = Arc::downgrade(one);
-        Live {
+        ListedHold {
             ids: ids.clone(),
             keep_until: KeepUntil::new(move || one.upgrade().and_then(|one| one.keep_until())),
             lease: lease.clone(),
@@ -256,7 +256,7 @@ fn grant_set(
     }
 }
 
-impl Ask for SetRequest {
+impl Claim for SetRequest {
     type Fences = Vec<u64>;
     const SET: bool = true;
 

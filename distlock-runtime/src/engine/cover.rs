@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use super::{Ask, Attempted};
+use super::{Attempted, Claim};
 use crate::LockError;
 use crate::backend::AcquireAnswer;
 use crate::handed::Handed;
@@ -92,7 +92,7 @@ where
 /// which wakes the readers it kept out: a free lock does not stay closed to them until the
 /// intent expires. Behind an unanswered attempt, the intent is taken back after that
 /// attempt's release, on the same connection, so that the attempt cannot set it again after.
-pub(crate) struct Cover<'a, A: Ask> {
+pub(crate) struct Cover<'a, A: Claim> {
     inner: &'a Arc<Inner>,
     ask: &'a A,
     /// The request may hold the lock on the server, by an attempt or a place in its queue.
@@ -106,7 +106,7 @@ pub(crate) struct Cover<'a, A: Ask> {
     won: bool,
 }
 
-impl<'a, A: Ask> Cover<'a, A> {
+impl<'a, A: Claim> Cover<'a, A> {
     /// Covers nothing yet.
     pub(crate) fn new(inner: &'a Arc<Inner>, ask: &'a A) -> Self {
         Self {
@@ -193,7 +193,7 @@ impl<'a, A: Ask> Cover<'a, A> {
     }
 }
 
-impl<A: Ask> Drop for Cover<'_, A> {
+impl<A: Claim> Drop for Cover<'_, A> {
     fn drop(&mut self) {
         let intent = self
             .ask

@@ -1,4 +1,4 @@
-//! The acquire engine: one loop for every request, one lock or a set ([`Ask`] says what an
+//! The acquire engine: one loop for every request, one lock or a set ([`Claim`] says what an
 //! attempt sends), plain or fair. It attempts, waits for a release (or a hand-off, or a
 //! timer) and attempts again within the request's bounds, and hands back what it won; the
 //! request's target builds the guard. What it does at each turn is `decide::step`'s answer;
@@ -32,8 +32,10 @@ mod cover;
 
 pub(crate) use cover::{Cover, send_behind};
 
-/// What one attempt sends, and what the engine needs to know of it: one lock, or a set.
-pub(crate) trait Ask: Sync {
+/// A request's claim on its locks, one lock or a set: what each attempt sends, what the
+/// engine needs to know of it, and how what the attempts may hold is given back (or a
+/// writer's intent withdrawn) when the request ends without the lock.
+pub(crate) trait Claim: Sync {
     /// What a granted attempt brings: the fencing token (tokens, for a set).
     type Fences: Send + 'static;
 
@@ -131,7 +133,7 @@ enum Turn {
 }
 
 /// One request being carried out.
-pub(crate) struct Engine<'a, A: Ask> {
+pub(crate) struct Engine<'a, A: Claim> {
     inner: &'a Arc<Inner>,
     ask: &'a A,
     /// The locks' names (one, or a set's), for errors.
@@ -159,7 +161,7 @@ pub(crate) struct Engine<'a, A: Ask> {
     busy_at: usize,
 }
 
-impl<'a, A: Ask> Engine<'a, A> {
+impl<'a, A: Claim> Engine<'a, A> {
     /// An engine for `ask`, planned by `plan` (whose keys are `names`), started at `started`.
     pub(crate) fn new<K>(
         inner: &'a Arc<Inner>,

@@ -11,7 +11,7 @@ use tracing::Instrument;
 use crate::LockError;
 use crate::backend::{AcquireAnswer, AcquireRequest, HoldIds, Shape};
 use crate::context::{self, Held, HoldKind};
-use crate::engine::{Ask, Attempted, Cover, Engine, Outcome, Won};
+use crate::engine::{Attempted, Claim, Cover, Engine, Outcome, Won};
 use crate::guard::{Acquired, LockGuard, Parts};
 use crate::handed::LocalPass;
 use crate::key::Keys;
@@ -214,7 +214,7 @@ async fn name_holder(manager: &LockManager, error: LockError) -> LockError {
     }
 }
 
-impl Ask for Arc<AcquireRequest> {
+impl Claim for Arc<AcquireRequest> {
     type Fences = u64;
 
     async fn send(&self, inner: &Inner) -> Result<redis::RedisResult<AcquireAnswer>, LockError> {
