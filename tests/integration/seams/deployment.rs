@@ -142,7 +142,7 @@ impl Deployment {
     }
 
     /// A builder whose manager talks through the proxies.
-    pub(super) fn proxied(&self) -> LockManagerBuilder {
+    fn proxied(&self) -> LockManagerBuilder {
         let urls = self.proxies.iter().map(FaultProxy::url);
         match &self.servers {
             Servers::Single(_) => support::single(self.proxies[0].url()),
@@ -150,6 +150,13 @@ impl Deployment {
             Servers::RedLock(_) => LockManager::builder().redlock(urls),
             Servers::Sentinel(_) => panic!("a Sentinel deployment has no proxies"),
         }
+    }
+
+    /// A manager under `prefix` that talks through the proxies, with a response timeout of
+    /// 200 ms: what a proxy holds back for longer goes unanswered.
+    pub(super) async fn proxied_manager(&self, prefix: &str) -> LockManager {
+        let builder = self.proxied().key_prefix(prefix);
+        support::connect(builder.response_timeout(Duration::from_millis(200))).await
     }
 
     /// A manager under `prefix`, with short timeouts.

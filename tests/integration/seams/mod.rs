@@ -330,6 +330,19 @@ async fn a_waiter_behind_its_own_managers_holder_takes_a_force_released_lock(d: 
     ));
 }
 
+/// Starts taking `k` with a 30 s lease from `locks`, waiting up to `wait`, on a task of its
+/// own.
+fn spawn_acquire(
+    locks: &LockManager,
+    wait: Duration,
+) -> tokio::task::JoinHandle<Result<distlock::LockGuard, LockError>> {
+    let locks = locks.clone();
+    tokio::spawn(async move {
+        let request = locks.lock("k").ttl(Duration::from_secs(30)).wait(wait);
+        request.acquire().await
+    })
+}
+
 /// Polls `done` every few milliseconds until it holds; fails naming `what` after `within`.
 pub(super) async fn until(within: Duration, what: &str, mut done: impl FnMut() -> bool) {
     let started = Instant::now();
@@ -344,27 +357,12 @@ async fn a_late_first_attempt_never_keeps_the_key_after_its_retry_was_released(
     may_land_first: bool,
 ) {
     let prefix = unique_prefix("seams-late-first");
-    let locks = support::connect(
-        d.proxied()
-            .key_prefix(&prefix)
-            .response_timeout(Duration::from_millis(200)),
-    )
-    .await;
+    let locks = d.proxied_manager(&prefix).await;
     let key = format!("{prefix}{{k}}");
     // The first attempt is held back 1 s by the network, far past its response timeout; the
     // retry goes through at once and is granted.
     let before = d.hold_back(Duration::from_secs(1));
-    let request = tokio::spawn({
-        let locks = locks.clone();
-        async move {
-            locks
-                .lock("k")
-                .ttl(Duration::from_secs(30))
-                .wait(Duration::from_secs(10))
-                .acquire()
-                .await
-        }
-    });
+    let request = spawn_acquire(&locks, Duration::from_secs(10));
     d.pass_once_held(&before, "the first attempt reaching the proxy")
         .await;
     let guard = request.await.unwrap().unwrap();
@@ -456,25 +454,10 @@ async fn a_late_attempt_of_a_request_that_gave_up_is_given_back(d: &Deployment) 
         .acquire()
         .await
         .unwrap();
-    let locks = support::connect(
-        d.proxied()
-            .key_prefix(&prefix)
-            .response_timeout(Duration::from_millis(200)),
-    )
-    .await;
+    let locks = d.proxied_manager(&prefix).await;
     let key = format!("{prefix}{{k}}");
     let before = d.hold_back(Duration::from_secs(2));
-    let request = tokio::spawn({
-        let locks = locks.clone();
-        async move {
-            locks
-                .lock("k")
-                .ttl(Duration::from_secs(30))
-                .wait(Duration::from_millis(600))
-                .acquire()
-                .await
-        }
-    });
+    let request = spawn_acquire(&locks, Duration::from_millis(600));
     d.pass_once_held(&before, "the first attempt reaching the proxy")
         .await;
     let gave_up = request.await.unwrap();
@@ -595,12 +578,7 @@ async fn shutdown_keeps_a_min_hold_nested_after_the_hold_was_taken(d: &Deploymen
 /// tell whether its first send gave it back, and must not answer `Ok`.
 async fn a_release_whose_reply_was_lost_never_answers_ok_for_a_lock_gone_before(d: &Deployment) {
     let prefix = unique_prefix("seams-release-unknown");
-    let locks = support::connect(
-        d.proxied()
-            .key_prefix(&prefix)
-            .response_timeout(Duration::from_millis(200)),
-    )
-    .await;
+    let locks = d.proxied_manager(&prefix).await;
     let other = d.manager(&prefix).await;
     let holder = locks
         .lock("k")
