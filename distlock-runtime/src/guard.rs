@@ -192,7 +192,7 @@ impl LockGuard {
         self.parts
             .manager
             .inner
-            .exec(move |backend| async move {
+            .on_runtime(move |backend| async move {
                 match hold.plain {
                     true => backend.is_held_plain(&hold).await,
                     false => backend.is_held(&hold.lock, hold.shared, &hold.token).await,
@@ -221,7 +221,7 @@ impl LockGuard {
             .parts
             .manager
             .inner
-            .exec(move |backend| async move {
+            .on_runtime(move |backend| async move {
                 let mut all = true;
                 for hold in &holds {
                     all &= backend

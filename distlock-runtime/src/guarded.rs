@@ -465,7 +465,7 @@ async fn write<T: FromRedisValue>(
     let call = call(&holds, &batch, receipt_ttl, &nonce);
     let answer = manager
         .inner
-        .exec(move |backend| async move { backend.nodes()[0].invoke::<Value>(&call).await })
+        .on_runtime(move |backend| async move { backend.nodes()[0].invoke::<Value>(&call).await })
         .await?
         .map_err(|e| LockError::redis(&first, e))?;
     let redis_error = |e: redis::ParsingError| LockError::redis(&first, e.into());
@@ -527,7 +527,7 @@ async fn landed(
     let get = redis::cmd("GET").arg(&key).to_owned();
     manager
         .inner
-        .exec(move |backend| async move {
+        .on_runtime(move |backend| async move {
             let node = &backend.nodes()[0];
             if node.query::<Option<String>>(&withdraw).await?.is_some() {
                 // Withdrawn now: the batch had not run, and its script, if it still comes,

@@ -178,18 +178,18 @@ pub(crate) static SHARE_RELEASE: Published = published!(
 );
 
 /// Take a set of exclusive locks, all or none: `{1, fence…}` or `{0, index, pttl}`.
-pub(crate) static MULTI_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+pub(crate) static SET_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     script(concat!(
         include_str!("scripts/clock.lua"),
         include_str!("scripts/kind.lua"),
-        include_str!("scripts/multi_acquire.lua")
+        include_str!("scripts/set_acquire.lua")
     ))
 });
 
 /// Give back a set of exclusive locks taken together: one 1/0 per lock.
-pub(crate) static MULTI_RELEASE: Published = published!(
+pub(crate) static SET_RELEASE: Published = published!(
     include_str!("scripts/release_hold.lua"),
-    include_str!("scripts/multi_release.lua")
+    include_str!("scripts/set_release.lua")
 );
 
 /// Remove a lock whatever holds it, reporting what it removed (the inspector's forced
@@ -237,8 +237,8 @@ pub(crate) fn all(wakes: Wakes) -> [&'static Script; 15] {
         &WRITE_ACQUIRE,
         &SHARE_ACQUIRE,
         SHARE_RELEASE.get(wakes),
-        &MULTI_ACQUIRE,
-        MULTI_RELEASE.get(wakes),
+        &SET_ACQUIRE,
+        SET_RELEASE.get(wakes),
     ]
 }
 
@@ -569,14 +569,14 @@ impl Fair<'_> {
     }
 }
 
-/// A call of `multi_acquire.lua`: every `(lock, fence)` of a set, all or none.
-pub(crate) fn multi_acquire<'a>(
+/// A call of `set_acquire.lua`: every `(lock, fence)` of a set, all or none.
+pub(crate) fn set_acquire<'a>(
     keys: impl IntoIterator<Item = (&'a str, &'a str)>,
     token: &str,
     lease: Duration,
     fencing: bool,
 ) -> ScriptInvocation<'static> {
-    let mut call = MULTI_ACQUIRE.prepare_invoke();
+    let mut call = SET_ACQUIRE.prepare_invoke();
     for (lock, fence) in keys {
         call.key(lock).key(fence);
     }
@@ -584,14 +584,14 @@ pub(crate) fn multi_acquire<'a>(
     call
 }
 
-/// A call of `multi_release.lua`: every `(lock, wake, keep)` of a set (`keep`: how much
+/// A call of `set_release.lua`: every `(lock, wake, keep)` of a set (`keep`: how much
 /// longer that key must live, for a `min_hold` of a hold nested in the set's).
-pub(crate) fn multi_release<'a>(
+pub(crate) fn set_release<'a>(
     keys: impl IntoIterator<Item = (&'a str, &'a str, Duration)>,
     token: &str,
     wakes: Wakes,
 ) -> ScriptInvocation<'static> {
-    let mut call = MULTI_RELEASE.get(wakes).prepare_invoke();
+    let mut call = SET_RELEASE.get(wakes).prepare_invoke();
     call.arg(token);
     for (lock, wake, keep) in keys {
         call.key(lock)
@@ -1050,8 +1050,8 @@ mod declared_keys {
         ("held_by", include_str!("scripts/held_by.lua")),
         ("holds", include_str!("scripts/holds.lua")),
         ("kind", include_str!("scripts/kind.lua")),
-        ("multi_acquire", include_str!("scripts/multi_acquire.lua")),
-        ("multi_release", include_str!("scripts/multi_release.lua")),
+        ("set_acquire", include_str!("scripts/set_acquire.lua")),
+        ("set_release", include_str!("scripts/set_release.lua")),
         ("release", include_str!("scripts/release.lua")),
         ("release_hold", include_str!("scripts/release_hold.lua")),
         ("renew", include_str!("scripts/renew.lua")),

@@ -3,7 +3,7 @@
 //! One room per topology: `node/` is one endpoint (a server, with `sentinel.rs` for a
 //! Sentinel-managed master and `cluster.rs` for a Cluster, both reached through one `Node`,
 //! whose `route.rs` decides all that differs between the three, over the connections that
-//! `pool.rs` keeps), `redlock.rs` the majority rule over independent masters, `hold.rs` what an
+//! `pool.rs` keeps), `redlock.rs` the majority rule over independent masters, `messages.rs` what an
 //! operation names and sends, and `sets.rs` sets of locks taken together. [`Backend`] picks
 //! the room; [`Capabilities`] says, once, what the deployment can do.
 //!
@@ -16,8 +16,8 @@ use redis::RedisResult;
 
 mod cluster;
 mod connect;
-mod hold;
 mod link;
+mod messages;
 mod node;
 mod pool;
 mod redlock;
@@ -28,7 +28,7 @@ mod shard_pubsub;
 
 pub(crate) use cluster::slot_of;
 pub(crate) use connect::ConnectOptions;
-pub(crate) use hold::{
+pub(crate) use messages::{
     AcquireAnswer, AcquireRequest, FAIR_REFRESH, FairQueue, FairRelease, HoldIds, Renewal, Shape,
     token_text,
 };
@@ -37,7 +37,7 @@ pub(crate) use sets::{SetKey, SetRequest};
 pub(crate) use shard_pubsub::SlotRanges;
 
 use crate::scripts;
-use hold::HoldRef;
+use messages::HoldRef;
 use redlock::RedLock;
 
 /// Where locks live: one endpoint (a server, a Sentinel-managed master, a Cluster), or

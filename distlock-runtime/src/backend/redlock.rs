@@ -15,7 +15,7 @@ use redis::{RedisError, RedisResult};
 use tokio::runtime;
 
 use super::connect::ConnectOptions;
-use super::hold::{AcquireAnswer, AcquireRequest, HoldIds, HoldRef, Renewal};
+use super::messages::{AcquireAnswer, AcquireRequest, HoldIds, HoldRef, Renewal};
 use super::node::Node;
 use super::pool::bounded;
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use redis::RedisResult;
 
-use super::hold::AcquireAnswer;
+use super::messages::AcquireAnswer;
 use super::node::Node;
 use super::redlock::{RedLock, if_eligible, node_limit, sooner};
 use crate::scripts;
@@ -91,7 +91,7 @@ impl Node {
 
     /// One script call for locks that all live in one hash slot (any locks, off Cluster).
     async fn acquire_together(&self, req: &SetRequest) -> RedisResult<AcquireAnswer<Vec<u64>>> {
-        let call = scripts::multi_acquire(
+        let call = scripts::set_acquire(
             req.keys
                 .iter()
                 .map(|key| (key.lock.as_str(), key.fence.as_str())),
@@ -150,7 +150,7 @@ impl Node {
     /// in one call.
     async fn release_together(&self, req: &SetRequest) -> RedisResult<Vec<bool>> {
         let mut conn = self.conn().await?;
-        let call = scripts::multi_release(
+        let call = scripts::set_release(
             req.keys
                 .iter()
                 .map(|key| (key.lock.as_str(), key.wake.as_str(), key.keep)),

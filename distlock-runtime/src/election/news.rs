@@ -72,7 +72,7 @@ pub(super) async fn announce(manager: &LockManager, keys: &Keys, news: &News) {
     let elected = matches!(news, News::Elected { .. });
     let sent = manager
         .inner
-        .exec(move |backend| async move {
+        .on_runtime(move |backend| async move {
             let node = backend.inspected();
             let write = if elected {
                 let mut set = redis::cmd("SET");
@@ -137,7 +137,7 @@ pub(super) async fn leader_of(
     };
     manager
         .inner
-        .exec(read)
+        .on_runtime(read)
         .await?
         .map_err(|e| LockError::redis(lock_name, e))
 }

@@ -220,7 +220,7 @@ impl Claim for Arc<AcquireRequest> {
     async fn send(&self, inner: &Inner) -> Result<redis::RedisResult<AcquireAnswer>, LockError> {
         let attempt = self.clone();
         inner
-            .exec(move |backend| async move { backend.acquire(&attempt).await })
+            .on_runtime(move |backend| async move { backend.acquire(&attempt).await })
             .await
     }
 
@@ -263,7 +263,7 @@ impl Claim for Arc<AcquireRequest> {
             inner.releaser(),
         );
         let outcome = inner
-            .exec(move |_| releaser.give_back(given, Known::default()))
+            .on_runtime(move |_| releaser.give_back(given, Known::default()))
             .await;
         outcome.ok()?.answer().ok()
     }

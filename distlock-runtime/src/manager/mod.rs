@@ -217,7 +217,7 @@ impl LockManager {
         inner.watchdog.stop();
         let registry = Arc::clone(&inner.registry);
         let _ = inner
-            .exec(move |backend| async move { registry.unregister(&backend).await })
+            .on_runtime(move |backend| async move { registry.unregister(&backend).await })
             .await;
         let _ = inner.driver.run(inner.waiters.close()).await;
         tracing::debug!(target = %inner.target, "lock manager shut down");
@@ -231,7 +231,7 @@ impl LockManager {
 impl Inner {
     /// Runs a Redis operation on the caller's runtime, or on the manager's own runtime when
     /// the caller is not in one.
-    pub(crate) async fn exec<T, F, Fut>(&self, op: F) -> Result<T, LockError>
+    pub(crate) async fn on_runtime<T, F, Fut>(&self, op: F) -> Result<T, LockError>
     where
         F: FnOnce(Backend) -> Fut,
         Fut: Future<Output = T> + Send + 'static,

@@ -77,7 +77,7 @@ impl LockGuard {
         let (releaser, known) = (inner.releaser(), self.known(resent));
         // Boxed: the loop's state stays out of the caller's release future.
         match inner
-            .exec(move |_| Box::pin(releaser.give_back(given, known)))
+            .on_runtime(move |_| Box::pin(releaser.give_back(given, known)))
             .await?
         {
             Outcome::Released => {
@@ -204,7 +204,7 @@ impl LockGuard {
         }
         let releaser = inner.releaser();
         releaser.cover_late(&OneHold::new(ids.clone(), None));
-        let answer = inner.exec(swap).await?;
+        let answer = inner.on_runtime(swap).await?;
         match (&answer, run) {
             // The release sent next settles the run.
             (Err(error), _) if error.is_io_error() => {}
@@ -227,7 +227,7 @@ impl LockGuard {
                 {
                     let given = OneHold::new(next.clone(), None);
                     let outcome = inner
-                        .exec(move |_| releaser.give_back(given, Known::default()))
+                        .on_runtime(move |_| releaser.give_back(given, Known::default()))
                         .await?;
                     if !matches!(outcome, Outcome::Unknown(_)) {
                         handed.disarm();

@@ -274,7 +274,7 @@ impl RedisServer {
     fn wait_until_up(&self, mut child: Child) -> io::Result<()> {
         let started = Instant::now();
         loop {
-            if self.ping() {
+            if self.answers_as(child.id()) {
                 *self.lock_child() = Some(child);
                 return Ok(());
             }
@@ -299,8 +299,17 @@ impl RedisServer {
         }
     }
 
-    fn ping(&self) -> bool {
-        matches!(self.command(&["PING"]), Ok(reply) if reply == "+PONG")
+    /// Whether the server on this port is the process `pid`. Another test's server may hold
+    /// the port (it was free when chosen, or freed by a kill before a restart): answering
+    /// `PING` is not enough, as this server would then take that one for its own while its
+    /// process fails to bind, and kill that one's clients when it ends.
+    fn answers_as(&self, pid: u32) -> bool {
+        let Ok(info) = self.command(&["INFO", "server"]) else {
+            return false;
+        };
+        info.lines()
+            .find_map(|line| line.trim().strip_prefix("process_id:"))
+            .is_some_and(|id| id.parse() == Ok(pid))
     }
 
     fn signal(&self, signal: &str) -> io::Result<()> {
@@ -448,4 +457,39 @@ fn read_reply(stream: &mut TcpStream) -> io::Result<String> {
         return Ok(items.join("\n"));
     }
     Ok(line)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server whose port another server holds (taken between a kill and a restart, or
+    /// between choosing the port and binding it) does not take that server for its own.
+    #[test]
+    fn a_restart_on_a_port_another_server_holds_fails() {
+        let holder = RedisServer::start().unwrap();
+        let port = holder.port();
+        let clash = RedisServer {
+            port,
+            dir: scratch_dir(port).unwrap(),
+            binary: find_binary().unwrap(),
+            extra: Vec::new(),
+            password: None,
+            sentinel: None,
+            host: None,
+            tls_port: None,
+            child: Mutex::new(None),
+        };
+        let error = clash
+            .restart()
+            .expect_err("started on a port another server holds");
+        assert!(error.to_string().contains("exited"), "{error}");
+        assert!(!clash.is_running());
+        drop(clash);
+        let pid = holder.lock_child().as_ref().map(Child::id).unwrap();
+        assert!(
+            holder.answers_as(pid),
+            "the holder of the port was disturbed"
+        );
+    }
 }

@@ -21,11 +21,11 @@ use crate::scripts;
 
 use super::cluster;
 use super::connect::ConnectOptions;
-use super::hold::{
+use super::link::Query;
+use super::messages::{
     AcquireAnswer, AcquireCall, AcquireRequest, FAIR_ENTRY_LEASE, FAIR_UNCLAIMED, FairQueue,
     FairRelease, HoldIds, HoldRef, Renewal, Shape, millis,
 };
-use super::link::Query;
 use super::pool::{AnswerBound, Conn, NativeDelete, Pool, bounded};
 use super::route::Route;
 use super::sentinel::Sentinel;

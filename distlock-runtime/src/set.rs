@@ -266,7 +266,7 @@ impl Claim for SetRequest {
     ) -> Result<redis::RedisResult<AcquireAnswer<Vec<u64>>>, LockError> {
         let attempt = self.clone();
         inner
-            .exec(move |backend| async move { backend.acquire_set(&attempt).await })
+            .on_runtime(move |backend| async move { backend.acquire_set(&attempt).await })
             .await
     }
 
@@ -295,7 +295,7 @@ impl Claim for SetRequest {
     async fn give_back(&self, inner: &Inner) -> Option<bool> {
         let (given, releaser) = (attempted(self), inner.releaser());
         let outcome = inner
-            .exec(move |_| releaser.give_back(given, Known::default()))
+            .on_runtime(move |_| releaser.give_back(given, Known::default()))
             .await;
         outcome.ok()?.answer().ok()
     }
@@ -463,9 +463,9 @@ impl MultiGuard {
     pub async fn is_held(&self) -> Result<bool, LockError> {
         let checks = self.request.keys.iter().map(|key| {
             let (lock, token) = (key.lock.clone(), self.request.token.clone());
-            self.manager
-                .inner
-                .exec(move |backend| async move { backend.is_held(&lock, false, &token).await })
+            self.manager.inner.on_runtime(move |backend| async move {
+                backend.is_held(&lock, false, &token).await
+            })
         });
         for (answer, keys) in futures_util::future::join_all(checks)
             .await
@@ -496,9 +496,9 @@ impl MultiGuard {
         let sent = Instant::now();
         let calls = self.request.keys.iter().map(|key| {
             let (lock, token) = (key.lock.clone(), self.request.token.clone());
-            self.manager
-                .inner
-                .exec(move |backend| async move { backend.extend(&lock, false, &token, ttl).await })
+            self.manager.inner.on_runtime(move |backend| async move {
+                backend.extend(&lock, false, &token, ttl).await
+            })
         });
         let answers = futures_util::future::join_all(calls).await;
         let mut lost = None;
@@ -581,7 +581,7 @@ impl MultiGuard {
         let (given, releaser) = (giving.given.clone(), inner.releaser());
         let known = Known::hold(giving.lease.clone());
         let outcome = inner
-            .exec(move |_| releaser.give_back(given, known))
+            .on_runtime(move |_| releaser.give_back(given, known))
             .await?;
         tracing::debug!(keys = ?self.names, held_for = ?self.acquired.sent.elapsed(), "released");
         Ok(match outcome {
