@@ -37,6 +37,7 @@ mod fencing;
 mod handoff;
 mod history;
 mod kinds;
+mod layout;
 mod leases;
 mod lifecycle;
 mod liveness;
