@@ -5,7 +5,11 @@ pub use std::format;
 
 use std::future::Future;
 
-use crate::{LockError, LockGuard, LockManager, LockRequest, MultiGuard, MultiLockRequest};
+use crate::error::LockError;
+use crate::guard::LockGuard;
+use crate::manager::LockManager;
+use crate::request::{LockRequest, MultiLockRequest};
+use crate::set::MultiGuard;
 
 /// The installed manager, or the error that says how to install one.
 pub fn installed() -> Result<&'static LockManager, LockError> {

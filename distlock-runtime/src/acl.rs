@@ -1,7 +1,7 @@
 //! The least privilege a Redis ACL user of distlock needs: [`LockManager::acl_rules`].
 
-use crate::LockManager;
 use crate::inspect::glob_escape;
+use crate::manager::LockManager;
 
 /// Every command distlock sends, directly or from its scripts (which run as the same user).
 ///

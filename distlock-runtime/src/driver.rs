@@ -11,7 +11,7 @@ use std::future::Future;
 use tokio::runtime::{Builder, Handle};
 use tokio::sync::oneshot;
 
-use crate::LockError;
+use crate::error::LockError;
 
 /// A handle on the background runtime; dropping it stops the thread.
 #[derive(Debug)]

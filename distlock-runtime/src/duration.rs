@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::LockError;
+use crate::error::LockError;
 
 /// Parses a duration as every part of distlock writes one: a whole number and a unit, `ms`,
 /// `s`, `m` or `h` (`"250ms"`, `"10s"`, `"2m"`, `"1h"`; spaces around are ignored). A

@@ -4,9 +4,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::LockError;
 use crate::backend::HoldIds;
 use crate::context::Held;
+use crate::error::LockError;
 use crate::holds::{KeepUntil, ListedHold, Listing};
 use crate::lease::{LeaseState, check_ttl};
 use crate::manager::LockManager;

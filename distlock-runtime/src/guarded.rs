@@ -14,8 +14,10 @@ use redis::{FromRedisValue, ScriptInvocation, Value};
 
 use crate::backend::slot_of;
 use crate::context::{Held, HoldKind};
+use crate::error::LockError;
+use crate::guard::LockGuard;
 use crate::manager::LockManager;
-use crate::{LockError, LockGuard, MultiGuard};
+use crate::set::MultiGuard;
 
 /// How long the server keeps a batch's receipt (see [`Batch::receipt`]): the time within
 /// which [`LockGuard::receipt_landed`] can tell whether that batch ran.

@@ -15,9 +15,10 @@ use std::time::Duration;
 use redis::Value;
 
 use crate::backend::Node;
+use crate::error::LockError;
 use crate::key::{Keys, lock_key};
+use crate::manager::LockManager;
 use crate::scripts;
-use crate::{LockError, LockManager};
 
 /// What a lock key holds right now.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,7 +90,7 @@ pub struct Holder {
     /// Who the holder is, from the registration of the manager its token names: `None` when
     /// that registration is gone (the manager crashed or shut down without releasing, and
     /// the lock waits for its lease) — the inspector prints `unknown (gone)`.
-    pub identity: Option<crate::HolderIdentity>,
+    pub identity: Option<crate::holder::HolderIdentity>,
 }
 
 impl LockManager {

@@ -1,6 +1,6 @@
 //! Lock names and the Redis keys derived from them.
 
-use crate::LockError;
+use crate::error::LockError;
 
 /// The longest key accepted, in bytes (the prefix and braces come on top).
 pub const MAX_KEY_LEN: usize = 1024;

@@ -31,7 +31,7 @@
 use std::time::Instant;
 
 #[cfg(feature = "metrics")]
-use crate::LockError;
+use crate::error::LockError;
 use crate::kind::RequestKind;
 
 /// Counter: attempts sent to Redis.
@@ -184,7 +184,11 @@ pub(crate) fn attempt(labels: Labels) {
 
 /// A request ended with `result`, `timer` after it started.
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn acquire_ended<T>(labels: Labels, timer: Timer, result: &Result<T, crate::LockError>) {
+pub(crate) fn acquire_ended<T>(
+    labels: Labels,
+    timer: Timer,
+    result: &Result<T, crate::error::LockError>,
+) {
     #[cfg(feature = "metrics")]
     {
         let outcome = match result {

@@ -7,7 +7,7 @@ use redis::cluster::ClusterClientBuilder;
 use redis::io::tcp::TcpSettings;
 use redis::{Client, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisResult};
 
-use crate::LockError;
+use crate::error::LockError;
 
 /// How the data nodes are authenticated and encrypted, beyond what their URLs say.
 #[derive(Clone, Default)]

@@ -16,7 +16,9 @@ use tracing::Instrument;
 use crate::backend::{AcquireAnswer, HoldIds, SetKey, SetRequest};
 use crate::context::{Held, HoldKind};
 use crate::engine::{Claim, Engine, Won};
+use crate::error::LockError;
 use crate::guard::Acquired;
+use crate::guard::LockGuard;
 use crate::holds::{KeepUntil, ListedHold, Listing};
 use crate::key::Keys;
 use crate::lease::{LeaseState, check_ttl, keep_from};
@@ -26,7 +28,6 @@ use crate::release::{Known, Outcome, Resend, SetRelease, Unanswered};
 use crate::request::{KeySet, LockRequest, MultiLockRequest, Plan, RequestKind, Target};
 use crate::token::new_token;
 use crate::watchdog::{Leased, Registration};
-use crate::{LockError, LockGuard};
 
 impl Target for KeySet {
     type Guard = MultiGuard;

@@ -7,7 +7,7 @@
 use tracing::Span;
 use tracing::field::Empty;
 
-use crate::LockError;
+use crate::error::LockError;
 use crate::metrics::Labels;
 
 /// The `lock.acquire` span of a request for `key` (several keys: their list).

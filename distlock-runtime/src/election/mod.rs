@@ -14,8 +14,11 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
 
+use crate::error::LockError;
+use crate::guard::LockGuard;
+use crate::holder::HolderIdentity;
 use crate::key::Keys;
-use crate::{HolderIdentity, LockError, LockGuard, LockManager};
+use crate::manager::LockManager;
 
 mod news;
 mod observe;
@@ -148,7 +151,7 @@ impl Election {
         ))
     }
 
-    fn request(&self) -> crate::LockRequest<'_> {
+    fn request(&self) -> crate::request::LockRequest<'_> {
         let mut request = self
             .manager
             .lock(self.lock_name())

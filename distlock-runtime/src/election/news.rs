@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::LeaderInfo;
+use crate::error::LockError;
 use crate::key::Keys;
-use crate::{LockError, LockManager};
+use crate::manager::LockManager;
 
 /// What a leader announces.
 #[derive(Debug, Clone, PartialEq, Eq)]

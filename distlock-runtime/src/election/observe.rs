@@ -15,9 +15,10 @@ use tokio::sync::mpsc;
 use super::news::{News, leader_of};
 use super::{LeaderChange, LeaderInfo};
 use crate::backend::Backend;
+use crate::error::LockError;
 use crate::identity::Registry;
 use crate::manager::Inner;
-use crate::{LockError, LockManager};
+use crate::manager::LockManager;
 
 /// The changes of an election's leader, from
 /// [`Election::observe`](super::Election::observe): read them with [`next`](Self::next), or as

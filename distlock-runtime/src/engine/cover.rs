@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use super::{Attempted, Claim};
-use crate::LockError;
 use crate::backend::AcquireAnswer;
+use crate::error::LockError;
 use crate::handed::Handed;
 use crate::manager::Inner;
 use crate::metrics::Labels;

@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use crate::LockError;
 use crate::backend::AcquireAnswer;
 use crate::decide::{self, Bounds, State, Step, WaitKind};
+use crate::error::LockError;
 use crate::handed::Handed;
 use crate::key::Keys;
 use crate::manager::Inner;

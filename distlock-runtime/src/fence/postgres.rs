@@ -33,7 +33,7 @@
 
 use tokio_postgres::{GenericClient, Transaction};
 
-use crate::LockGuard;
+use crate::guard::LockGuard;
 
 /// The table [`Fence::new`] keeps its tokens in.
 pub const DEFAULT_TABLE: &str = "distlock_fences";

@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 
 use tracing::Instrument;
 
-use crate::LockError;
 use crate::backend::{AcquireAnswer, AcquireRequest, HoldIds, Shape};
 use crate::context::{self, Held, HoldKind};
 use crate::engine::{Attempted, Claim, Cover, Engine, Outcome, Won};
+use crate::error::LockError;
 use crate::guard::{Acquired, LockGuard, Parts};
 use crate::handed::LocalPass;
 use crate::key::Keys;

@@ -4,9 +4,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::LockError;
 use crate::backend::{Backend, ConnectOptions};
 use crate::driver::Driver;
+use crate::error::LockError;
 use crate::holds::HoldList;
 use crate::key;
 use crate::lease::{MAX_TTL, check_ttl};

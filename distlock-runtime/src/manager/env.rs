@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use super::{LockManager, LockManagerBuilder, check_masters, check_timeout};
-use crate::LockError;
+use crate::error::LockError;
 use crate::key::check_prefix;
 use crate::lease::check_ttl;
 use crate::security::{check_certificates, check_private_key, check_tls_endpoints};
@@ -270,7 +270,7 @@ fn duration_var<'a>(
 
 /// The duration syntax of [`crate::parse_duration`], as an `Option`.
 fn parse_duration(text: &str) -> Option<Duration> {
-    crate::parse_duration(text).ok()
+    crate::duration::parse_duration(text).ok()
 }
 
 #[cfg(test)]

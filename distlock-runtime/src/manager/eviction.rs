@@ -1,8 +1,8 @@
 //! The check `build` makes once connected: a master whose `maxmemory-policy` may evict a
 //! held lock is warned about, or refused with `require_noeviction`.
 
-use crate::LockError;
 use crate::backend::{self, Backend};
+use crate::error::LockError;
 
 /// Reads every master's `maxmemory-policy` (CONFIG GET, else INFO memory) and warns about, or
 /// with `require` refuses, any policy that may evict a held lock.

@@ -11,9 +11,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use crate::LockError;
 use crate::backend::Backend;
 use crate::driver::Driver;
+use crate::error::LockError;
 use crate::holds::HoldList;
 use crate::identity::HolderLookup;
 use crate::key;

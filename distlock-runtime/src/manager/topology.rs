@@ -1,7 +1,7 @@
 //! Which deployment a builder connects to, and connecting to it.
 
-use crate::LockError;
 use crate::backend::{self, Backend, ConnectOptions};
+use crate::error::LockError;
 
 use super::redact_url;
 

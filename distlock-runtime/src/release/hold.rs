@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{Known, OneHold, Outcome, Unanswered, Yielding};
-use crate::LockError;
 use crate::backend::HoldIds;
 use crate::cohort::{Checked, CohortRun};
+use crate::error::LockError;
 use crate::guard::LockGuard;
 use crate::handed::{Handed, LocalPass};
 use crate::waiters::{Next, Offer, Passable};

@@ -6,7 +6,7 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
-use crate::LockError;
+use crate::error::LockError;
 use crate::key::Keys;
 pub(crate) use crate::kind::RequestKind;
 use crate::lease::{MAX_TTL, check_ttl};

@@ -1,4 +1,5 @@
-//! `list`, `show`, `release` and `watch`: what the locks under a prefix are, and who holds them.
+//! `list`, `show`, `release`, `watch` and `leader`: what the locks under a prefix are, who
+//! holds them, and who leads an election.
 
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
@@ -223,5 +224,25 @@ pub(crate) fn print_detail(out: &mut impl Write, info: &LockInfo) {
             ttl(holder.ttl)
         );
         let _ = writeln!(out, "    by {}", who(holder));
+    }
+}
+
+/// `distlock leader`: prints who leads the election; [`exit::NONE`] when nobody does.
+pub(crate) async fn leader(locks: &LockManager, name: &str) -> Result<u8, LockError> {
+    match locks.election(name).leader().await? {
+        Some(leader) => {
+            let since = leader
+                .since
+                .and_then(|since| std::time::SystemTime::now().duration_since(since).ok())
+                .map_or_else(String::new, |d| {
+                    format!(", leading for {:.1}s", d.as_secs_f64())
+                });
+            println!("{leader} (token {}{since})", leader.token);
+            Ok(0)
+        }
+        None => {
+            println!("{name}: no leader");
+            Ok(exit::NONE)
+        }
     }
 }

@@ -17,9 +17,10 @@ macro_rules! say {
 }
 
 mod child;
+mod duration;
 mod exit;
-mod hold;
 mod inspector;
+mod supervise;
 #[cfg(target_os = "linux")]
 mod watcher;
 
@@ -30,7 +31,8 @@ use std::time::Duration;
 use clap::{CommandFactory, Parser, Subcommand};
 use distlock::{LockError, LockManager, LockManagerBuilder};
 
-use crate::hold::{LeadArgs, RunArgs};
+use crate::duration::parse_duration;
+use crate::supervise::{LeadArgs, RunArgs};
 
 /// See, follow and clear distlock locks; run a command while holding a lock or leading.
 #[derive(Parser, Debug)]
@@ -119,14 +121,6 @@ enum Command {
     },
 }
 
-/// The duration syntax of the library and the attribute: `30s`, `500ms`, `2m`, `1h`.
-fn parse_duration(text: &str) -> Result<Duration, String> {
-    distlock::parse_duration(text).map_err(|error| match error {
-        distlock::LockError::InvalidInput { reason, .. } => reason,
-        other => other.to_string(),
-    })
-}
-
 #[tokio::main]
 async fn main() -> ExitCode {
     #[cfg(target_os = "linux")]
@@ -162,8 +156,8 @@ async fn main() -> ExitCode {
         }
     };
     let code = match (cli.command, signals.as_mut()) {
-        (Command::Run(args), Some(signals)) => Ok(hold::run(&locks, &args, signals).await),
-        (Command::Lead(args), Some(signals)) => Ok(hold::lead(&locks, &args, signals).await),
+        (Command::Run(args), Some(signals)) => Ok(supervise::run(&locks, &args, signals).await),
+        (Command::Lead(args), Some(signals)) => Ok(supervise::lead(&locks, &args, signals).await),
         (command, _) => inspect(&locks, command).await,
     };
     locks.shutdown().await;
@@ -257,7 +251,7 @@ async fn inspect(locks: &LockManager, command: Command) -> Result<u8, LockError>
         }
         Command::Leader { name } => {
             drop(out);
-            hold::leader(locks, &name).await?
+            inspector::leader(locks, &name).await?
         }
         Command::Run(_) | Command::Lead(_) => unreachable!("run and lead listen for signals"),
     })

@@ -2,12 +2,25 @@
 //! a fence, a term or a free stretch.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use distlock::MultiGuard;
+use super::model::{Kind, ORPHANED, PERMITS, RECOVERY, RUN_AFTER_STEAL, STARVED};
 
-use super::*;
+/// What the history reads of a granted hold: a `LockGuard`'s, or a set's hold of one of its
+/// keys.
+pub(super) trait Granted {
+    fn token(&self) -> &str;
+    fn remaining(&self) -> Duration;
+    fn local_passes(&self) -> u32;
+    fn fencing_token(&self) -> Option<u64>;
+    fn ttl(&self) -> Duration;
+    fn waited(&self) -> Duration;
+    /// Whether entering it counts as an acquisition (a set counts once, not once per key).
+    fn counts(&self) -> bool {
+        true
+    }
+}
 
 /// Everything the programs did that the checker cares about.
 #[derive(Default)]
@@ -105,18 +118,18 @@ impl History {
     }
 
     /// `guard` was just granted, for a request made at `asked`: check it against everyone
-    /// inside. The fencing check compares with the holds that left before the request was
+    /// inside, and record it there under the id this returns. The fencing check compares with the holds that left before the request was
     /// made (not before the guard's `waited()`, which is fixed when the guard is built: a
     /// starved task may enter here well after, and more than the acquisition may stand
     /// between the two, as when a campaign announces its leader after taking the lock).
-    pub(super) fn enter(
-        self: &Arc<Self>,
+    pub(super) fn admit(
+        &self,
         who: &str,
         key: &str,
         kind: Kind,
         guard: &impl Granted,
         asked: Instant,
-    ) -> Entry {
+    ) -> u64 {
         let now = Instant::now();
         let valid_until = now + guard.remaining();
         let owner = guard.token().to_owned();
@@ -160,11 +173,7 @@ impl History {
                      before (bound {bound:?}: a round trip of {round_trip:?} and the slack)"
                 ));
             }
-            return Entry {
-                history: self.clone(),
-                key: key.to_owned(),
-                id,
-            };
+            return id;
         }
         // A hold taken away is lost for good: no acquire nested in it may be granted.
         if let Some(&(stolen, _)) = state.robbed.get(&owner) {
@@ -200,46 +209,18 @@ impl History {
             let began = now - guard.waited();
             self.fenced(who, key, fence, asked.min(began));
         }
-        Entry {
-            history: self.clone(),
-            key: key.to_owned(),
-            id,
-        }
+        id
     }
 
-    /// The set `guard` was just granted: a hold of each of its `keys` (key, owner, kind), each
-    /// checked against everyone inside as a single hold is.
-    pub(super) fn enter_set(
-        self: &Arc<Self>,
-        who: &str,
-        holds: &[SetHold],
-        guard: &MultiGuard,
-        asked: Instant,
-    ) -> SetEntry {
-        let entries = holds
-            .iter()
-            .enumerate()
-            .map(|(at, hold)| {
-                let grant = SetKeyGrant {
-                    set: guard,
-                    hold,
-                    first: at == 0,
-                };
-                self.enter(who, hold.key, hold.kind, &grant, asked)
-            })
-            .collect();
+    /// `owner` asked for a `min_hold` on `key` that lasts until `until` (counted from no later
+    /// than the server counts it): nobody else may enter the key before, whatever is released.
+    pub(super) fn min_hold(&self, key: &str, owner: &str, until: Instant) {
         let mut state = self.lock();
-        state.sets += 1;
-        state.set_keys += holds.len() as u64;
-        let own = guard.token();
-        SetEntry {
-            history: self.clone(),
-            entries,
-            owners: holds.iter().map(|hold| hold.owner.clone()).collect(),
-            own_keys: (holds.iter())
-                .filter(|hold| hold.owner == own)
-                .map(|hold| hold.key)
-                .collect(),
+        state.min_holds_kept += 1;
+        let kept = state.kept.entry(key.to_owned());
+        let kept = kept.or_insert_with(|| (owner.to_owned(), until));
+        if kept.1 < until {
+            *kept = (owner.to_owned(), until);
         }
     }
 
@@ -297,39 +278,6 @@ impl History {
             .and_then(|terms| terms.iter_mut().find(|(t, _)| *t == term))
         {
             entry.1 = Some(Instant::now());
-        }
-    }
-
-    /// `owner` asked for a `min_hold` on `key` that lasts until `until` (counted from no later
-    /// than the server counts it): nobody else may enter the key before, whatever is released.
-    pub(super) fn min_hold(&self, key: &str, owner: &str, until: Instant) {
-        let mut state = self.lock();
-        state.min_holds_kept += 1;
-        let kept = state.kept.entry(key.to_owned());
-        let kept = kept.or_insert_with(|| (owner.to_owned(), until));
-        if kept.1 < until {
-            *kept = (owner.to_owned(), until);
-        }
-    }
-
-    /// A request starts sleeping in `acquire()` for `key`; it stops when this is dropped.
-    pub(super) fn waits(self: &Arc<Self>, who: &str, key: &str) -> Waiting {
-        self.waits_all(who, &[key])
-    }
-
-    /// A request starts sleeping in `acquire()` until every one of `keys` is free at once (a
-    /// set); it stops when this is dropped.
-    pub(super) fn waits_all(self: &Arc<Self>, who: &str, keys: &[&str]) -> Waiting {
-        let keys = keys.iter().map(|&key| key.to_owned()).collect();
-        let mut state = self.lock();
-        let id = state.next_waiter;
-        state.next_waiter += 1;
-        state
-            .waiting
-            .insert(id, (keys, Instant::now(), who.to_owned()));
-        Waiting {
-            history: self.clone(),
-            id,
         }
     }
 

@@ -7,22 +7,8 @@ use std::time::{Duration, Instant};
 
 use distlock::{LockGuard, MultiGuard};
 
-use super::*;
-
-/// What the history reads of a granted hold: a `LockGuard`'s, or a set's hold of one of its
-/// keys.
-pub(super) trait Granted {
-    fn token(&self) -> &str;
-    fn remaining(&self) -> Duration;
-    fn local_passes(&self) -> u32;
-    fn fencing_token(&self) -> Option<u64>;
-    fn ttl(&self) -> Duration;
-    fn waited(&self) -> Duration;
-    /// Whether entering it counts as an acquisition (a set counts once, not once per key).
-    fn counts(&self) -> bool {
-        true
-    }
-}
+use super::checker::{Granted, History, push_recent};
+use super::model::Kind;
 
 impl Granted for LockGuard {
     fn token(&self) -> &str {
@@ -207,6 +193,83 @@ impl SetEntry {
         for owner in &self.owners {
             let cap = state.lease_caps.entry(owner.clone()).or_default();
             *cap = (*cap).max(ttl);
+        }
+    }
+}
+
+/// The records the history hands out: an entry, a set's entry, a request asleep.
+impl History {
+    /// `guard` was just granted, for a request made at `asked`: checked against everyone
+    /// inside (see [`History::admit`]), and inside until the entry is dropped.
+    pub(super) fn enter(
+        self: &Arc<Self>,
+        who: &str,
+        key: &str,
+        kind: Kind,
+        guard: &impl Granted,
+        asked: Instant,
+    ) -> Entry {
+        Entry {
+            history: self.clone(),
+            key: key.to_owned(),
+            id: self.admit(who, key, kind, guard, asked),
+        }
+    }
+
+    /// The set `guard` was just granted: a hold of each of its `keys` (key, owner, kind), each
+    /// checked against everyone inside as a single hold is.
+    pub(super) fn enter_set(
+        self: &Arc<Self>,
+        who: &str,
+        holds: &[SetHold],
+        guard: &MultiGuard,
+        asked: Instant,
+    ) -> SetEntry {
+        let entries = holds
+            .iter()
+            .enumerate()
+            .map(|(at, hold)| {
+                let grant = SetKeyGrant {
+                    set: guard,
+                    hold,
+                    first: at == 0,
+                };
+                self.enter(who, hold.key, hold.kind, &grant, asked)
+            })
+            .collect();
+        let mut state = self.lock();
+        state.sets += 1;
+        state.set_keys += holds.len() as u64;
+        let own = guard.token();
+        SetEntry {
+            history: self.clone(),
+            entries,
+            owners: holds.iter().map(|hold| hold.owner.clone()).collect(),
+            own_keys: (holds.iter())
+                .filter(|hold| hold.owner == own)
+                .map(|hold| hold.key)
+                .collect(),
+        }
+    }
+
+    /// A request starts sleeping in `acquire()` for `key`; it stops when this is dropped.
+    pub(super) fn waits(self: &Arc<Self>, who: &str, key: &str) -> Waiting {
+        self.waits_all(who, &[key])
+    }
+
+    /// A request starts sleeping in `acquire()` until every one of `keys` is free at once (a
+    /// set); it stops when this is dropped.
+    pub(super) fn waits_all(self: &Arc<Self>, who: &str, keys: &[&str]) -> Waiting {
+        let keys = keys.iter().map(|&key| key.to_owned()).collect();
+        let mut state = self.lock();
+        let id = state.next_waiter;
+        state.next_waiter += 1;
+        state
+            .waiting
+            .insert(id, (keys, Instant::now(), who.to_owned()));
+        Waiting {
+            history: self.clone(),
+            id,
         }
     }
 }

@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use distlock::LockManager;
 
-use super::*;
+use super::checker::Judged;
+use super::model::{KEYS, ORPHANED, SAMPLE, STALL, STARVED};
+use super::world::{Probe, World};
 
 /// Samples every key until `stop`: a key free in Redis, entered by nobody, while a request
 /// sleeps waiting for it, for longer than `STARVED` plus the fault allowance, is a liveness

@@ -5,7 +5,10 @@ use std::time::{Duration, Instant};
 
 use distlock::{LockError, LockManager, MultiGuard, distributed_lock};
 
-use super::*;
+use super::entries::{SetEntry, SetHold};
+use super::model::{Kind, OVERSTAY, OVERSTAY_FAULTS};
+use super::steps::{Inside, Plan, SetPlan, expected, leave, take, work};
+use super::world::World;
 
 /// Takes the set `plan` inside the holds `inside`; on success the caller is inside every key.
 pub(super) async fn take_set(

@@ -4,7 +4,10 @@ use std::time::{Duration, Instant};
 
 use distlock::{LockError, LockGuard, LockManager};
 
-use super::*;
+use super::checker::push_recent;
+use super::model::{KEYS, Kind};
+use super::steps::{Plan, expected, leave, take, work};
+use super::world::World;
 
 /// Campaigns in the election named after `plan.key`, leads for a moment and resigns (or drops
 /// the leadership): the election's lock is checked for overlap like any other, and its terms

@@ -10,7 +10,11 @@ use distlock::testing::{Fault, FaultProxy, RedisServer};
 
 use crate::support;
 
-use super::*;
+use super::checker::{History, push_recent};
+use super::model::{Features, ORPHANED, RECOVERY};
+use super::monitor::monitor;
+use super::program::program;
+use super::world::{Probe, World};
 
 /// A run's shape.
 pub(super) struct Run {

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use distlock::{LockGuard, LockManager, MultiGuard};
 
-use super::*;
+use super::checker::History;
+use super::model::{BOUND, Features, Kind};
 
 /// One program's world: where it runs and what it may use.
 #[derive(Clone)]

@@ -150,6 +150,58 @@ fn a_stale_fence_is_rejected() {
 }
 
 #[test]
+fn a_term_not_above_a_leader_that_left_before_the_campaign_is_rejected() {
+    let history = History::default();
+    history.term("one", "e", 3, Instant::now());
+    history.left("e", 3);
+    // A campaign that began after term 3 ended must draw a larger term.
+    history.term("two", "e", 4, Instant::now());
+    assert_eq!(violations(&history), Vec::<String>::new());
+    history.left("e", 4);
+    history.term("three", "e", 4, Instant::now());
+    let found = violations(&history);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].starts_with("term:"), "{found:?}");
+}
+
+#[test]
+fn a_term_drawn_while_the_last_leader_still_led_is_accepted() {
+    let history = History::default();
+    let asked = Instant::now();
+    history.term("one", "e", 7, Instant::now());
+    // Began to campaign before term 7's leader left: the order of the two is not known.
+    history.left("e", 7);
+    history.term("two", "e", 7, asked);
+    assert_eq!(violations(&history), Vec::<String>::new());
+}
+
+#[test]
+fn more_permit_holders_than_permits_is_an_overlap() {
+    let history = Arc::new(History::default());
+    let holders: Vec<_> = (0..PERMITS)
+        .map(|n| {
+            let owner = Fake::owner(&format!("p{n}"));
+            history.enter("permit", "s", Kind::Permit, &owner, Instant::now())
+        })
+        .collect();
+    assert_eq!(violations(&history), Vec::<String>::new());
+    let one_more = history.enter(
+        "one more",
+        "s",
+        Kind::Permit,
+        &Fake::owner("q"),
+        Instant::now(),
+    );
+    let found = violations(&history);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].starts_with("overlap:") && found[0].contains("permit"),
+        "{found:?}"
+    );
+    drop((holders, one_more));
+}
+
+#[test]
 fn a_free_lock_left_while_a_waiter_sleeps_past_the_bound_is_rejected() {
     let history = Arc::new(History::default());
     let free = Instant::now();

@@ -1,5 +1,5 @@
-//! `run`, `lead` and `leader`: a command run while a lock (or an election) is held, through
-//! the same requests the attribute makes.
+//! `run` and `lead`: a command run while a lock (or an election) is held, through the same
+//! requests the attribute makes, and ended when it is lost.
 
 use std::ffi::OsString;
 use std::time::Duration;
@@ -8,7 +8,8 @@ use clap::{Args, ValueEnum};
 use distlock::{LockError, LockGuard, LockManager, LockRequest};
 
 use crate::child::{self, Ended, Signals};
-use crate::{exit, inspector, parse_duration};
+use crate::duration::parse_duration;
+use crate::{exit, inspector};
 
 /// What `run` does when the lock is held by someone else.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -335,25 +336,5 @@ async fn term(leadership: distlock::Leadership, args: &LeadArgs, signals: &mut S
         (true, Err(LockError::Lost { .. })) => After::Exit(exit::LOST),
         (true, _) => After::Exit(code),
         (false, _) => After::Ended,
-    }
-}
-
-/// `distlock leader`: prints who leads the election; [`exit::NONE`] when nobody does.
-pub(crate) async fn leader(locks: &LockManager, name: &str) -> Result<u8, LockError> {
-    match locks.election(name).leader().await? {
-        Some(leader) => {
-            let since = leader
-                .since
-                .and_then(|since| std::time::SystemTime::now().duration_since(since).ok())
-                .map_or_else(String::new, |d| {
-                    format!(", leading for {:.1}s", d.as_secs_f64())
-                });
-            println!("{leader} (token {}{since})", leader.token);
-            Ok(0)
-        }
-        None => {
-            println!("{name}: no leader");
-            Ok(exit::NONE)
-        }
     }
 }
