@@ -18,7 +18,7 @@ use std::cell::RefCell;
 use std::future::Future;
 use std::sync::{Arc, Weak};
 
-pub(crate) use crate::held::{Held, HoldKind};
+use crate::held::Held;
 
 tokio::task_local! {
     static FRAME: RefCell<Vec<Weak<Held>>>;

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::backend::HoldIds;
-use crate::context::Held;
 use crate::error::LockError;
+use crate::held::Held;
 use crate::holds::{KeepUntil, ListedHold, Listing};
 use crate::lease::{LeaseState, check_ttl};
 use crate::manager::LockManager;

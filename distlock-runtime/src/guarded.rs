@@ -13,9 +13,9 @@ use std::time::Duration;
 use redis::{FromRedisValue, ScriptInvocation, Value};
 
 use crate::backend::slot_of;
-use crate::context::{Held, HoldKind};
 use crate::error::LockError;
 use crate::guard::LockGuard;
+use crate::held::{Held, HoldKind};
 use crate::manager::LockManager;
 use crate::set::MultiGuard;
 

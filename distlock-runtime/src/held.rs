@@ -99,9 +99,9 @@ impl Held {
 }
 
 /// What a hold in the context holds, which decides what a later request of the same task
-/// may nest in it. Not what the request asked for ([`RequestKind`](crate::request::RequestKind),
+/// may nest in it. Not what the request asked for ([`RequestKind`](crate::kind::RequestKind),
 /// which tells a write lock from an exclusive one and counts permits): see
-/// [`RequestKind::hold_kind`](crate::request::RequestKind::hold_kind).
+/// [`RequestKind::hold_kind`](crate::kind::RequestKind::hold_kind).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum HoldKind {
     /// An exclusive lock, or the write side of a read-write lock.

@@ -1,7 +1,7 @@
 //! Which kind of lock a request asks for: the vocabulary the request, the engine and the
 //! metrics share.
 
-use crate::context::HoldKind;
+use crate::held::HoldKind;
 
 /// Which kind of lock a request asks for. A granted request holds it as a [`HoldKind`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

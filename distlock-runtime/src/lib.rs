@@ -20,6 +20,8 @@
 //!
 //! # Words the code uses
 //!
+//! The guide's layout chapter names, for each, the file that owns it.
+//!
 //! * **lock** — one name under the manager's prefix (`prefix{name}`), whatever kind it is
 //!   taken as; its companion keys (wake channel, fencing counter, shares, intent, queue)
 //!   share its hash tag.
@@ -38,7 +40,8 @@
 //!   that dies frees its share alone.
 //! * **lease** — how long the server keeps a hold without a renewal (the key's `PX`); the
 //!   guard's [`remaining`](LockGuard::remaining) is the client's conservative view of it.
-//! * **grant** — the server's answer that a request now holds the lock.
+//! * **grant** — what a request wins: the server's answer that it now holds the lock, or a
+//!   lock handed off or passed to it by a release of its own manager.
 //! * **waiter**, **head** — a request that found the lock busy and waits for it; waiters of
 //!   one manager for one key form a local queue, and only its head asks the server.
 //! * **wake channel** — `…:wake`: a release publishes on it; each manager follows the
@@ -58,8 +61,9 @@
 //!   one loop for plain, set and fair requests, carrying out one pure decision
 //!   (`decide::step`); an attempt is one round trip asking for the lock; the cover gives back
 //!   what an attempt whose answer never came may hold.
-//! * **pass**, **cohort**, **run** — a pass is a hand-off within one manager that asks
-//!   nothing of the server: the next task takes the server hold over as it is. A cohort's
+//! * **pass**, **cohort**, **run** — a pass gives the lock to the next task of the same
+//!   manager with no command at all (unlike a hand-off, which swaps the owner on the server):
+//!   that task takes the server hold over as it is. A cohort's
 //!   run is the passes of one server hold, checked against the server and kept within the
 //!   cohort's bounds.
 #![warn(

@@ -14,18 +14,19 @@ use std::time::{Duration, Instant};
 use tracing::Instrument;
 
 use crate::backend::{AcquireAnswer, HoldIds, SetKey, SetRequest};
-use crate::context::{Held, HoldKind};
 use crate::engine::{Claim, Engine, Won};
 use crate::error::LockError;
 use crate::guard::Acquired;
 use crate::guard::LockGuard;
+use crate::held::{Held, HoldKind};
 use crate::holds::{KeepUntil, ListedHold, Listing};
 use crate::key::Keys;
+use crate::kind::RequestKind;
 use crate::lease::{LeaseState, check_ttl, keep_from};
 use crate::lock;
 use crate::manager::{Inner, LockManager};
 use crate::release::{Known, Outcome, Resend, SetRelease, Unanswered};
-use crate::request::{KeySet, LockRequest, MultiLockRequest, Plan, RequestKind, Target};
+use crate::request::{KeySet, LockRequest, MultiLockRequest, Plan, Target};
 use crate::token::new_token;
 use crate::watchdog::{Leased, Registration};
 

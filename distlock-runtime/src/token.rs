@@ -1,4 +1,5 @@
-//! Owner tokens: unique to one acquisition, anywhere.
+//! Owner tokens: one per acquisition from the server, unique anywhere; the holds nested in
+//! it and the local passes of a cohort's run carry the same token.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

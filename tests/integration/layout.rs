@@ -1,5 +1,5 @@
 //! The guide's layout chapter against the tree: it names every source file of the runtime,
-//! and every file it names exists. A newcomer finds a behaviour's home there; a file added,
+//! the macro crate and the binary, and every example, and every file it names exists. A newcomer finds a behaviour's home there; a file added,
 //! moved or renamed without the chapter fails here.
 
 use std::collections::BTreeSet;
@@ -106,4 +106,57 @@ fn every_file_the_glossary_names_exists() {
         missing.is_empty(),
         "the glossary names what is not in the tree: {missing:?}"
     );
+}
+
+#[test]
+fn the_layout_chapter_names_every_file_of_the_macros_and_the_binary_and_every_example() {
+    let chapter = std::fs::read_to_string(root().join("src/guide/layout.md")).unwrap();
+    let map = chapter
+        .split("```text")
+        .nth(1)
+        .expect("the repository's map");
+    let map = map.split("```").next().unwrap();
+    let section = |start: &str| -> String {
+        let mut lines = map.lines().skip_while(|line| !line.starts_with(start));
+        let first = lines.next().unwrap_or_default().to_owned();
+        let rest = lines.take_while(|line| line.starts_with(' '));
+        std::iter::once(first)
+            .chain(rest.map(str::to_owned))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let words = |text: &str| -> BTreeSet<String> {
+        text.split(|c: char| !(c.is_alphanumeric() || c == '_' || c == '.'))
+            .map(str::to_owned)
+            .collect()
+    };
+    let files_of = |dir: &str| -> Vec<String> {
+        let mut files: Vec<String> = std::fs::read_dir(root().join(dir))
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().into_string().unwrap())
+            .filter(|name| name.ends_with(".rs"))
+            .collect();
+        files.sort();
+        files
+    };
+    let mut unnamed = Vec::new();
+    for (dir, start) in [
+        ("distlock-macros/src", "distlock-macros/"),
+        ("src/bin/distlock", "src/bin/distlock/"),
+    ] {
+        let named = words(&section(start));
+        for file in files_of(dir) {
+            if file != "lib.rs" && !named.contains(&file) {
+                unnamed.push(format!("{dir}/{file}"));
+            }
+        }
+    }
+    let examples = words(&section("examples/"));
+    for file in files_of("examples") {
+        let name = file.trim_end_matches(".rs");
+        if !examples.contains(name) {
+            unnamed.push(format!("examples/{file}"));
+        }
+    }
+    assert!(unnamed.is_empty(), "not in the layout chapter: {unnamed:?}");
 }

@@ -21,10 +21,10 @@ use crate::decide::{self, Bounds, State, Step, WaitKind};
 use crate::error::LockError;
 use crate::handed::Handed;
 use crate::key::Keys;
+use crate::kind::RequestKind;
 use crate::manager::Inner;
 use crate::metrics::Labels;
 use crate::request::Plan;
-use crate::request::RequestKind;
 use crate::retry::Backoff;
 use crate::waiters::Ticket;
 

@@ -1,5 +1,6 @@
-//! One lock: a request's acquire, and the guards it grants — a first hold, a nested hold of
-//! this task's own lock, a lock handed over by a local release or passed within a cohort.
+//! One lock: what a request's attempts send (its [`Claim`](crate::engine::Claim)), and the
+//! release behind them when the request ends without the lock. A nested hold's rule is in
+//! `nest.rs`; a guard's assembly, from what the request won, in `grant.rs`.
 
 use std::future::Future;
 use std::sync::atomic::AtomicUsize;
@@ -9,17 +10,19 @@ use std::time::{Duration, Instant};
 use tracing::Instrument;
 
 use crate::backend::{AcquireAnswer, AcquireRequest, HoldIds, Shape};
-use crate::context::{self, Held, HoldKind};
+use crate::context;
 use crate::engine::{Attempted, Claim, Cover, Engine, Outcome, Won};
 use crate::error::LockError;
 use crate::guard::{Acquired, LockGuard, Parts};
 use crate::handed::LocalPass;
+use crate::held::{Held, HoldKind};
 use crate::key::Keys;
+use crate::kind::RequestKind;
 use crate::lease::LeaseState;
 use crate::lease::keep_until;
 use crate::manager::{Inner, LockManager};
 use crate::release::{Known, OneHold};
-use crate::request::{LockRequest, Plan, RequestKind, Single, Target};
+use crate::request::{LockRequest, Plan, Single, Target};
 use crate::watchdog::{Leased, Registration, Renewable};
 
 mod grant;

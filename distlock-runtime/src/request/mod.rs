@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::error::LockError;
 use crate::key::Keys;
-pub(crate) use crate::kind::RequestKind;
+use crate::kind::RequestKind;
 use crate::lease::{MAX_TTL, check_ttl};
 use crate::manager::LockManager;
 use crate::metrics::Labels;

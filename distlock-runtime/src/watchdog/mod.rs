@@ -29,8 +29,8 @@ use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
 use crate::backend::{Backend, HoldIds};
-use crate::context::Held;
 use crate::driver::Driver;
+use crate::held::Held;
 use crate::lease::{LeaseState, saturating_add};
 use crate::waiters::Waiters;
 
