@@ -357,6 +357,94 @@ impl History {
         true
     }
 
+    /// Without faults, a plain lock owned since `since` by `owner`, a token no holder has,
+    /// for longer than `ORPHANED`: a violation (a release on its way, or a fair grant to a
+    /// waiter that left, ends sooner).
+    pub(super) fn orphaned_without_faults(
+        &self,
+        key: &str,
+        owner: &str,
+        since: Instant,
+        now: Instant,
+    ) -> bool {
+        let stretch = now.saturating_duration_since(since);
+        if stretch <= ORPHANED {
+            return false;
+        }
+        self.violation(format!(
+            "orphan: {key} held by {} for {stretch:?}, a token no holder has",
+            &owner[owner.len().saturating_sub(8)..],
+        ));
+        true
+    }
+
+    /// `key`'s PTTL (sampled at `sampled`) outlives what its live exclusive owner asked for
+    /// (its lease cap): a renewal or an extend after the hold was lost would prolong it.
+    pub(super) fn prolonged(&self, key: &str, pttl: Option<i64>, sampled: Instant, now: Instant) {
+        let state = self.lock();
+        let capped: Vec<(String, Duration)> = state
+            .holders
+            .get(key)
+            .into_iter()
+            .flatten()
+            .filter(|h| h.capped && h.valid_until > now && h.entered < sampled)
+            .map(|h| {
+                (
+                    h.owner.clone(),
+                    state.lease_caps.get(&h.owner).copied().unwrap_or_default(),
+                )
+            })
+            .collect();
+        drop(state);
+        if let (Some(pttl), Some((owner, cap))) = (pttl, capped.first())
+            && capped.iter().all(|(o, _)| o == owner)
+            && u128::try_from(pttl).is_ok_and(|ms| ms > cap.as_millis() + 50)
+        {
+            self.violation(format!(
+                "lease: {key}'s PTTL is {pttl} ms while its holder {} asked for at most {cap:?}",
+                &owner[owner.len() - 8..]
+            ));
+        }
+    }
+
+    /// A set sleeping in `acquire()` can only enter once every one of its keys is free: all of them
+    /// free in Redis together (`free`, from the monitor's samples), none entered by anybody, for
+    /// longer than `STARVED` plus the fault allowance, is a liveness violation. Keys judged are
+    /// taken out of `free` (their stretch starts again).
+    pub(super) fn starved_sets(&self, free: &mut HashMap<&'static str, Instant>, now: Instant) {
+        let state = self.lock();
+        let mut stretches = Vec::new();
+        for (keys, since, who) in state.waiting.values().filter(|(keys, _, _)| keys.len() > 1) {
+            let mut from = Some(*since);
+            for key in keys {
+                let entered = state.last_entry.get(key).copied();
+                from = match (from, free.get(key.as_str())) {
+                    (Some(from), Some(&free)) => Some(from.max(free).max(entered.unwrap_or(from))),
+                    _ => None,
+                };
+            }
+            if let Some(from) = from {
+                stretches.push((keys.clone(), from, *since, who.clone()));
+            }
+        }
+        drop(state);
+        for (keys, from, since, who) in stretches {
+            let starved = now.saturating_duration_since(from);
+            let allowed = self.allowance(from, now);
+            if starved > STARVED && starved > STARVED + allowed {
+                self.violation(format!(
+                    "liveness: {keys:?} all free in Redis for {starved:?}, entered by nobody, while \
+                     the set {who} waited for them (since {:?} ago; {allowed:?} of it in faults or \
+                     stalls)",
+                    since.elapsed()
+                ));
+                for key in &keys {
+                    free.remove(key.as_str());
+                }
+            }
+        }
+    }
+
     /// `key` has been free in Redis since `free` (the monitor's samples): if a request sleeps
     /// in `acquire()` for it, and nobody entered it, for longer than `STARVED` plus the fault
     /// allowance, that is a liveness violation.

@@ -2,12 +2,12 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use distlock::LockManager;
 
 use super::checker::Judged;
-use super::model::{KEYS, ORPHANED, SAMPLE, STALL, STARVED};
+use super::model::{KEYS, SAMPLE, STALL};
 use super::world::{Probe, World};
 
 /// Samples every key until `stop`: a key free in Redis, entered by nobody, while a request
@@ -72,15 +72,10 @@ pub(super) async fn monitor(
                     drop(state);
                     let judged = if faults {
                         world.history.orphaned(key, &owner, since, now)
-                    } else if now.saturating_duration_since(since) > ORPHANED {
-                        world.history.violation(format!(
-                            "orphan: {key} held by {} for {:?}, a token no holder has",
-                            &owner[owner.len().saturating_sub(8)..],
-                            now.saturating_duration_since(since)
-                        ));
-                        true
                     } else {
-                        false
+                        world
+                            .history
+                            .orphaned_without_faults(key, &owner, since, now)
                     };
                     if judged {
                         orphaned.remove(key);
@@ -91,33 +86,11 @@ pub(super) async fn monitor(
                     orphaned.remove(key);
                 }
             }
-            // Prolonged leases: the key outlives what every live exclusive owner asked for.
-            let capped: Vec<(String, Duration)> = state
-                .holders
-                .get(key)
-                .into_iter()
-                .flatten()
-                .filter(|h| h.capped && h.valid_until > now && h.entered < sampled)
-                .map(|h| {
-                    (
-                        h.owner.clone(),
-                        state.lease_caps.get(&h.owner).copied().unwrap_or_default(),
-                    )
-                })
-                .collect();
-            if let (Some(pttl), Some((owner, cap))) = (pttl, capped.first())
-                && capped.iter().all(|(o, _)| o == owner)
-                && !matches!(world.probe, Probe::Masters(_))
-                && u128::try_from(pttl).is_ok_and(|ms| ms > cap.as_millis() + 50)
-            {
-                let what = format!(
-                    "lease: {key}'s PTTL is {pttl} ms while its holder {} asked for at most {cap:?}",
-                    &owner[owner.len() - 8..]
-                );
-                drop(state);
-                world.history.violation(what);
-                state = world.history.lock();
+            drop(state);
+            if !matches!(world.probe, Probe::Masters(_)) {
+                world.history.prolonged(key, pttl, sampled, now);
             }
+            state = world.history.lock();
             drop(state);
             if pttl != Some(-2) {
                 free_since.remove(key);
@@ -128,44 +101,8 @@ pub(super) async fn monitor(
                 free_since.remove(key);
             }
         }
-        starved_sets(&world, &mut free_in_redis);
-    }
-}
-
-/// A set sleeping in `acquire()` can only enter once every one of its keys is free: all of them
-/// free in Redis together (`free`, from the monitor's samples), none entered by anybody, for
-/// longer than `STARVED` plus the fault allowance, is a liveness violation.
-pub(super) fn starved_sets(world: &World, free: &mut HashMap<&'static str, Instant>) {
-    let now = Instant::now();
-    let state = world.history.lock();
-    let mut stretches = Vec::new();
-    for (keys, since, who) in state.waiting.values().filter(|(keys, _, _)| keys.len() > 1) {
-        let mut from = Some(*since);
-        for key in keys {
-            let entered = state.last_entry.get(key).copied();
-            from = match (from, free.get(key.as_str())) {
-                (Some(from), Some(&free)) => Some(from.max(free).max(entered.unwrap_or(from))),
-                _ => None,
-            };
-        }
-        if let Some(from) = from {
-            stretches.push((keys.clone(), from, *since, who.clone()));
-        }
-    }
-    drop(state);
-    for (keys, from, since, who) in stretches {
-        let starved = now.saturating_duration_since(from);
-        let allowed = world.history.allowance(from, now);
-        if starved > STARVED && starved > STARVED + allowed {
-            world.history.violation(format!(
-                "liveness: {keys:?} all free in Redis for {starved:?}, entered by nobody, while \
-                 the set {who} waited for them (since {:?} ago; {allowed:?} of it in faults or \
-                 stalls)",
-                since.elapsed()
-            ));
-            for key in &keys {
-                free.remove(key.as_str());
-            }
-        }
+        world
+            .history
+            .starved_sets(&mut free_in_redis, Instant::now());
     }
 }

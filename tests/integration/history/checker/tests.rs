@@ -1,5 +1,6 @@
 //! The checker's own rules, on synthetic event streams: no server is involved.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -362,4 +363,64 @@ fn only_a_fault_that_can_stop_a_release_excuses_an_orphan() {
     history.lock().passing_faults.push(0);
     assert!(history.orphaned("a", owner, since, since + ORPHANED * 4));
     assert_eq!(violations(&history).len(), 1);
+}
+
+#[test]
+fn a_set_left_asleep_while_all_its_keys_are_free_is_rejected() {
+    let history = Arc::new(History::default());
+    let waiting = history.waits_all("set", &["a", "b"]);
+    let free_from = Instant::now();
+    let later = free_from + STARVED * 4;
+    // One key still taken: the set cannot enter, and nobody is starved.
+    let mut free = HashMap::from([("a", free_from)]);
+    history.starved_sets(&mut free, later);
+    assert_eq!(violations(&history), Vec::<String>::new());
+    // Both free together for four times the bound, entered by nobody.
+    let mut free = HashMap::from([("a", free_from), ("b", free_from)]);
+    history.starved_sets(&mut free, later);
+    let found = violations(&history);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].starts_with("liveness:"), "{found:?}");
+    assert!(free.is_empty(), "the keys judged start a new stretch");
+    drop(waiting);
+}
+
+#[test]
+fn a_set_whose_keys_were_free_together_only_briefly_is_accepted() {
+    let history = Arc::new(History::default());
+    let waiting = history.waits_all("set", &["a", "b"]);
+    let now = Instant::now() + STARVED * 4;
+    // "b" has been free only for half the bound.
+    let mut free = HashMap::from([("a", now - STARVED * 3), ("b", now - STARVED / 2)]);
+    history.starved_sets(&mut free, now);
+    assert_eq!(violations(&history), Vec::<String>::new());
+    drop(waiting);
+}
+
+#[test]
+fn a_lease_longer_than_its_holder_asked_for_is_rejected() {
+    let history = Arc::new(History::default());
+    let holder = Fake::owner("x");
+    let entry = history.enter("one", "a", Kind::Exclusive, &holder, Instant::now());
+    let sampled = Instant::now() + Duration::from_millis(1);
+    // The holder asked for 5 s: a PTTL within it is its own lease.
+    history.prolonged("a", Some(4_900), sampled, sampled);
+    assert_eq!(violations(&history), Vec::<String>::new());
+    history.prolonged("a", Some(9_000), sampled, sampled);
+    let found = violations(&history);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].starts_with("lease:"), "{found:?}");
+    drop(entry);
+}
+
+#[test]
+fn without_faults_a_key_owned_by_no_holder_past_the_bound_is_an_orphan() {
+    let history = History::default();
+    let since = Instant::now();
+    assert!(!history.orphaned_without_faults("a", "000000nobody", since, since + ORPHANED));
+    assert_eq!(violations(&history), Vec::<String>::new());
+    assert!(history.orphaned_without_faults("a", "000000nobody", since, since + ORPHANED * 2));
+    let found = violations(&history);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].starts_with("orphan:"), "{found:?}");
 }
