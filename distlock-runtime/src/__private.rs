@@ -20,7 +20,7 @@ pub fn installed() -> Result<&'static LockManager, LockError> {
 /// [`run`] records it in the frame it opens for the body, so that concurrent siblings of the
 /// call never see it.
 pub async fn acquire(request: LockRequest<'_>) -> Result<LockGuard, LockError> {
-    request.unrecorded().acquire().await
+    request.recorded_by_caller().acquire().await
 }
 
 /// What `manager = …` accepts: a `LockManager`, a reference to one, or an `Arc` of one.
@@ -211,7 +211,7 @@ pub async fn release<G: Guarded>(guard: G, on_lost: OnLost) -> Result<(), LockEr
 
 /// Takes the locks of an annotated call with `keys = […]`; see [`acquire`].
 pub async fn acquire_all(request: MultiLockRequest<'_>) -> Result<MultiGuard, LockError> {
-    request.unrecorded().acquire().await
+    request.recorded_by_caller().acquire().await
 }
 
 /// One key of `keys = […]`, as the set request takes it.

@@ -192,7 +192,7 @@ impl CohortRun {
     }
 
     /// The run's last release is about to be sent: from now on a check that finds the hold
-    /// gone may be seeing it. That release's answer must [`settle`](Self::settle) the run.
+    /// gone may be seeing it. That release's answer must [`end`](Self::ended_by) the run.
     pub(crate) fn ending(&self) {
         self.lock().ending = true;
     }
@@ -272,7 +272,7 @@ pub(crate) struct Ending {
 impl Drop for Ending {
     fn drop(&mut self) {
         if let Some(run) = self.run.take() {
-            run.settle(Err(redis::RedisError::from(std::io::Error::other(
+            run.ended_by(Err(redis::RedisError::from(std::io::Error::other(
                 "the release of the cohort's hold was abandoned before its answer",
             ))));
         }
@@ -283,7 +283,7 @@ impl CohortRun {
     /// The run's last release answered: `true` when its token still held the lock then,
     /// which it did at every pass before; `false` when it was gone; an error when the server
     /// could not tell. Only the first answer counts.
-    pub(crate) fn settle(&self, answer: redis::RedisResult<bool>) {
+    pub(crate) fn ended_by(&self, answer: redis::RedisResult<bool>) {
         let mut checks = self.lock();
         if checks.ended {
             return;

@@ -8,20 +8,20 @@ use std::time::{Duration, Instant};
 use crate::backend::HoldIds;
 use crate::cohort::CohortRun;
 
-/// What gives back a handed lock that nobody claimed: the manager's releaser (see
+/// What gives back a handed lock that nobody took: the manager's releaser (see
 /// `release`), seen from here only as this.
-pub(crate) trait Unclaimed: Send + Sync {
+pub(crate) trait UntakenGiver: Send + Sync {
     /// Gives back `ids` from the manager's own runtime; `run`: the lock was passed within
     /// that cohort's run, which this release ends.
     fn give_back(&self, ids: Arc<HoldIds>, run: Option<Arc<CohortRun>>);
 }
 
 /// A lock handed over by a local release, on its way to the waiter that offered to take it.
-/// Dropped unclaimed (that waiter gave up meanwhile), it gives the lock back from the
+/// Dropped untaken (that waiter gave up meanwhile), it gives the lock back from the
 /// manager's runtime.
 pub(crate) struct Handed {
     sent: Instant,
-    unclaimed: Option<(Arc<dyn Unclaimed>, Arc<HoldIds>)>,
+    untaken: Option<(Arc<dyn UntakenGiver>, Arc<HoldIds>)>,
     /// Passed locally: the server hold taken over as it is.
     local: Option<LocalPass>,
 }
@@ -37,23 +37,23 @@ pub(crate) struct LocalPass {
 
 impl Handed {
     /// The lock held as `ids`, handed over at `sent` (when its lease began), and passed
-    /// locally as `local` if it was; dropped unclaimed, `giver` gives `ids` back.
+    /// locally as `local` if it was; dropped untaken, `giver` gives `ids` back.
     pub(crate) fn new(
         sent: Instant,
-        giver: Arc<dyn Unclaimed>,
+        giver: Arc<dyn UntakenGiver>,
         ids: Arc<HoldIds>,
         local: Option<LocalPass>,
     ) -> Self {
         Self {
             sent,
-            unclaimed: Some((giver, ids)),
+            untaken: Some((giver, ids)),
             local,
         }
     }
 
     /// Takes the lock over: when the hand-off was sent, which is when its lease began, and
     /// the server hold it takes over when it was passed locally.
-    pub(crate) fn claim(mut self) -> (Instant, Option<LocalPass>) {
+    pub(crate) fn take(mut self) -> (Instant, Option<LocalPass>) {
         self.disarm();
         (self.sent, self.local.take())
     }
@@ -72,14 +72,14 @@ impl Handed {
         }
     }
 
-    /// The hold that dropping this gives back: none once claimed or disarmed.
-    pub(crate) fn unclaimed(&self) -> Option<&Arc<HoldIds>> {
-        self.unclaimed.as_ref().map(|(_, ids)| ids)
+    /// The hold that dropping this gives back: none once taken or disarmed.
+    pub(crate) fn untaken(&self) -> Option<&Arc<HoldIds>> {
+        self.untaken.as_ref().map(|(_, ids)| ids)
     }
 
     /// Leaves the lock to whoever holds this now: dropping it then gives nothing back.
     pub(crate) fn disarm(&mut self) {
-        self.unclaimed = None;
+        self.untaken = None;
     }
 }
 
@@ -87,14 +87,14 @@ impl fmt::Debug for Handed {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Handed")
             .field("sent", &self.sent)
-            .field("claimed", &self.unclaimed.is_none())
+            .field("taken", &self.untaken.is_none())
             .finish()
     }
 }
 
 impl Drop for Handed {
     fn drop(&mut self) {
-        if let Some((giver, ids)) = self.unclaimed.take() {
+        if let Some((giver, ids)) = self.untaken.take() {
             giver.give_back(ids, self.local.take().map(|local| local.run));
         }
     }

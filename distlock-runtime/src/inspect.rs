@@ -195,7 +195,7 @@ impl LockManager {
             });
             return Err(LockError::redis(name, error));
         }
-        let mut outcome = settle(&answered, masters, &keys);
+        let mut outcome = forced_outcome(&answered, masters, &keys);
         if let ForcedRelease::Removed(_) = outcome {
             // This manager's own waiters look at once (others hear the script's wake-up),
             // even those queued behind a holder of this manager that the removal robbed.
@@ -212,7 +212,7 @@ impl LockManager {
 /// least): `Removed`, naming every holder removed, where some node removed it and it is gone
 /// from a majority; `Changed`, with what holds it, where a node kept it (its holders were not
 /// the ones expected) and it is not gone from a majority; `Free` when no node had it.
-fn settle(answered: &[Snapshot], masters: usize, keys: &Keys) -> ForcedRelease {
+fn forced_outcome(answered: &[Snapshot], masters: usize, keys: &Keys) -> ForcedRelease {
     debug_assert!(
         answered.len() * 2 > masters,
         "settled without a majority's answers"
@@ -585,7 +585,7 @@ mod tests {
     #[test]
     fn a_forced_release_answers_for_what_a_majority_of_nodes_did() {
         let keys = Keys::new("p:", "k".to_owned()).unwrap();
-        let one = |a| settle(&[a], 1, &keys);
+        let one = |a| forced_outcome(&[a], 1, &keys);
         assert!(matches!(
             one(answer(Some("a"), true)),
             ForcedRelease::Removed(_)
@@ -601,7 +601,7 @@ mod tests {
             answer(Some("b"), false),
             answer(Some("b"), false),
         ];
-        let outcome = settle(&split, 3, &keys);
+        let outcome = forced_outcome(&split, 3, &keys);
         assert!(matches!(outcome, ForcedRelease::Changed(_)), "{outcome:?}");
         assert_eq!(holders(&outcome), ["b"]);
         // Gone from a majority: every holder removed is named, each once.
@@ -610,12 +610,12 @@ mod tests {
             answer(Some("b"), true),
             answer(Some("b"), true),
         ];
-        let outcome = settle(&gone, 3, &keys);
+        let outcome = forced_outcome(&gone, 3, &keys);
         assert!(matches!(outcome, ForcedRelease::Removed(_)), "{outcome:?}");
         assert_eq!(holders(&outcome), ["a", "b"]);
         // Removed where it was; one master that never had it counts as gone.
         let most = [answer(None, false), answer(Some("a"), true)];
-        assert_eq!(holders(&settle(&most, 3, &keys)), ["a"]);
+        assert_eq!(holders(&forced_outcome(&most, 3, &keys)), ["a"]);
     }
 
     #[test]

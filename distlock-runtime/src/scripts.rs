@@ -200,11 +200,11 @@ pub(crate) static FORCE_RELEASE: Published = published!(
 );
 
 /// Whether a token holds its lock, a read share's or permit's lease included: 1 or 0.
-pub(crate) static HOLDS: LazyLock<Script> = LazyLock::new(|| {
+pub(crate) static SHARE_HELD: LazyLock<Script> = LazyLock::new(|| {
     script(concat!(
         include_str!("scripts/clock.lua"),
         include_str!("scripts/held_by.lua"),
-        include_str!("scripts/holds.lua")
+        include_str!("scripts/share_held.lua")
     ))
 });
 
@@ -224,7 +224,7 @@ pub(crate) static GUARDED_WRITE: LazyLock<Script> = LazyLock::new(|| {
 /// a manager connects.
 pub(crate) fn all(wakes: Wakes) -> [&'static Script; 15] {
     [
-        &HOLDS,
+        &SHARE_HELD,
         &GUARDED_WRITE,
         UNLOCK.get(wakes),
         WITHDRAW_INTENT.get(wakes),
@@ -507,9 +507,9 @@ pub(crate) fn renew<'a>(
     call
 }
 
-/// A call of `holds.lua`: whether `token` holds `lock` (a share: whether its lease lives).
-pub(crate) fn holds(lock: &str, token: &str) -> ScriptInvocation<'static> {
-    let mut call = HOLDS.key(lock);
+/// A call of `share_held.lua`: whether `token` holds `lock` (a share: whether its lease lives).
+pub(crate) fn share_held(lock: &str, token: &str) -> ScriptInvocation<'static> {
+    let mut call = SHARE_HELD.key(lock);
     call.arg(token);
     call
 }
@@ -1048,7 +1048,7 @@ mod declared_keys {
         ("guarded_write", include_str!("scripts/guarded_write.lua")),
         ("handoff", include_str!("scripts/handoff.lua")),
         ("held_by", include_str!("scripts/held_by.lua")),
-        ("holds", include_str!("scripts/holds.lua")),
+        ("share_held", include_str!("scripts/share_held.lua")),
         ("kind", include_str!("scripts/kind.lua")),
         ("set_acquire", include_str!("scripts/set_acquire.lua")),
         ("set_release", include_str!("scripts/set_release.lua")),

@@ -83,7 +83,7 @@ where
 /// That is a hold granted to an attempt whose answer has not arrived (or was lost), and a
 /// fair request's place in the server's queue, which a release may grant the lock to until
 /// the request leaves it. The state is written where an attempt is sent and answered
-/// ([`send`](Self::send)), where a hand-off is claimed and where a fair request leaves its
+/// ([`send`](Self::send)), where a hand-off is taken and where a fair request leaves its
 /// queue, and read in `drop`.
 ///
 /// It also covers a writer's intent. A writer refused while it may try again leaves an
@@ -94,7 +94,7 @@ where
 /// attempt's release, on the same connection, so that the attempt cannot set it again after.
 pub(crate) struct Cover<'a, A: Claim> {
     inner: &'a Arc<Inner>,
-    ask: &'a A,
+    claim: &'a A,
     /// The request may hold the lock on the server, by an attempt or a place in its queue.
     maybe_held: bool,
     /// An intent of this request may be in Redis (an answered attempt was refused).
@@ -108,10 +108,10 @@ pub(crate) struct Cover<'a, A: Claim> {
 
 impl<'a, A: Claim> Cover<'a, A> {
     /// Covers nothing yet.
-    pub(crate) fn new(inner: &'a Arc<Inner>, ask: &'a A) -> Self {
+    pub(crate) fn new(inner: &'a Arc<Inner>, claim: &'a A) -> Self {
         Self {
             inner,
-            ask,
+            claim,
             maybe_held: false,
             intent_left: false,
             late_until: None,
@@ -128,7 +128,7 @@ impl<'a, A: Claim> Cover<'a, A> {
         crate::metrics::attempt(metrics);
         let sent = Instant::now();
         self.maybe_held = true;
-        let answer = self.ask.send(self.inner).await?;
+        let answer = self.claim.send(self.inner).await?;
         match &answer {
             Ok(_) => self.inner.waiters.attempted(),
             // It may still land, as late as the kernel retransmits it.
@@ -148,13 +148,13 @@ impl<'a, A: Claim> Cover<'a, A> {
             // The guard built from it gives it back.
             Ok(AcquireAnswer::Held(_)) => false,
             // Turned away, a fair request keeps its place in the server's queue.
-            Ok(_) => self.ask.fair(),
+            Ok(_) => self.claim.fair(),
             // A lost reply may hide a grant.
             Err(_) => true,
         };
         // A writer granted the lock took its own intent back in the same script; one refused,
         // or whose answer was lost, may have left one.
-        self.intent_left = self.ask.intent().is_some()
+        self.intent_left = self.claim.intent().is_some()
             && matches!(answer, Err(_) | Ok(AcquireAnswer::Busy { .. }));
     }
 
@@ -162,7 +162,7 @@ impl<'a, A: Claim> Cover<'a, A> {
     /// own token, which covers any grant an unanswered attempt may hold: that must not be
     /// released now. A local pass gave another's hold: the cover stays, for what such an
     /// attempt may hold.
-    pub(super) fn claimed(&mut self, handed: &Handed) {
+    pub(super) fn taken(&mut self, handed: &Handed) {
         if !handed.is_local() {
             self.maybe_held = false;
             self.won = true;
@@ -173,7 +173,7 @@ impl<'a, A: Claim> Cover<'a, A> {
     /// and gives back a lock a release granted it meanwhile); if Redis does not answer,
     /// `drop` sends it again.
     pub(super) async fn give_back(&mut self) {
-        if let Some(released) = self.ask.give_back(self.inner).await {
+        if let Some(released) = self.claim.give_back(self.inner).await {
             self.maybe_held = false;
             if released {
                 tracing::debug!("a lock granted while giving up was passed on");
@@ -187,8 +187,8 @@ impl<'a, A: Claim> Cover<'a, A> {
             return;
         }
         self.intent_left = false;
-        if let Some(intent) = self.ask.intent() {
-            self.ask.withdraw_intent(self.inner, intent.to_owned());
+        if let Some(intent) = self.claim.intent() {
+            self.claim.withdraw_intent(self.inner, intent.to_owned());
         }
     }
 }
@@ -196,7 +196,7 @@ impl<'a, A: Claim> Cover<'a, A> {
 impl<A: Claim> Drop for Cover<'_, A> {
     fn drop(&mut self) {
         let intent = self
-            .ask
+            .claim
             .intent()
             .filter(|_| self.intent_left || self.maybe_held)
             .map(str::to_owned);
@@ -206,9 +206,9 @@ impl<A: Claim> Drop for Cover<'_, A> {
         // passed on locally keeps its giver's token: this request's is nobody's.
         let late = !self.won && self.late_until.is_some_and(|late| late > Instant::now());
         if self.maybe_held || late {
-            self.ask.release_behind(self.inner, intent);
+            self.claim.release_behind(self.inner, intent);
         } else if let Some(intent) = intent {
-            self.ask.withdraw_intent(self.inner, intent);
+            self.claim.withdraw_intent(self.inner, intent);
         }
     }
 }

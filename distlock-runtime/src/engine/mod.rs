@@ -135,7 +135,7 @@ enum Turn {
 /// One request being carried out.
 pub(crate) struct Engine<'a, A: Claim> {
     inner: &'a Arc<Inner>,
-    ask: &'a A,
+    claim: &'a A,
     /// The locks' names (one, or a set's), for errors.
     names: &'a [Keys],
     kind: RequestKind,
@@ -162,22 +162,22 @@ pub(crate) struct Engine<'a, A: Claim> {
 }
 
 impl<'a, A: Claim> Engine<'a, A> {
-    /// An engine for `ask`, planned by `plan` (whose keys are `names`), started at `started`.
+    /// An engine for `claim`, planned by `plan` (whose keys are `names`), started at `started`.
     pub(crate) fn new<K>(
         inner: &'a Arc<Inner>,
-        ask: &'a A,
+        claim: &'a A,
         plan: &Plan<K>,
         names: &'a [Keys],
         started: Instant,
     ) -> Self {
-        let mode = match (A::SET, ask.fair()) {
+        let mode = match (A::SET, claim.fair()) {
             (true, _) => WaitKind::Set,
             (false, true) => WaitKind::Fair,
             (false, false) => WaitKind::Plain,
         };
         Self {
             inner,
-            ask,
+            claim,
             names,
             kind: plan.kind,
             mode,
@@ -189,10 +189,10 @@ impl<'a, A: Claim> Engine<'a, A> {
             },
             metrics: plan.metrics,
             // Fair locks never pass locally.
-            cohort: !plan.options.solo && mode != WaitKind::Fair,
+            cohort: !plan.options.server_path && mode != WaitKind::Fair,
             started,
             hand_off: false,
-            cover: Cover::new(inner, ask),
+            cover: Cover::new(inner, claim),
             ticket: None,
             offer: None,
             attempts: 0,
@@ -330,7 +330,7 @@ impl<'a, A: Claim> Engine<'a, A> {
         if let (true, Some(ticket)) = (self.hand_off, self.ticket()) {
             ticket.holding(crate::lease::saturating_add(sent, self.ttl));
         }
-        self.settle(Won::Asked { won, sent })
+        self.finish(Won::Asked { won, sent })
     }
 
     /// The error of an answer that waiting cannot change.
@@ -360,13 +360,16 @@ impl<'a, A: Claim> Engine<'a, A> {
     /// request's last word is heard there.
     fn join(&mut self, at: usize, answered: bool) {
         let inner = self.inner;
-        let (wake, backend, driver) = (self.ask.wake(at), &inner.backend, &inner.driver);
+        let (wake, backend, driver) = (self.claim.wake(at), &inner.backend, &inner.driver);
         let joined = match self.mode {
             WaitKind::Fair => {
-                let ticket =
-                    inner
-                        .waiters
-                        .join_fair(wake, self.ask.token(), backend, driver, self.metrics);
+                let ticket = inner.waiters.join_fair(
+                    wake,
+                    self.claim.token(),
+                    backend,
+                    driver,
+                    self.metrics,
+                );
                 self.ticket = Some((at, ticket));
                 return;
             }
@@ -395,7 +398,7 @@ impl<'a, A: Claim> Engine<'a, A> {
     fn stand_ready(&mut self) {
         let takes = self.hand_off || self.mode == WaitKind::Fair;
         if let (true, Some((_, waiting)), None) = (takes, &self.ticket, &self.offer) {
-            self.offer = Some(waiting.offer(self.ask.token(), self.ttl, self.cohort));
+            self.offer = Some(waiting.offer(self.claim.token(), self.ttl, self.cohort));
         }
     }
 
@@ -463,17 +466,17 @@ impl<'a, A: Claim> Engine<'a, A> {
     /// The outcome of a hand-off: the lock's lease began when it was sent, or is the shared
     /// lease of the hold passed locally.
     fn handed(&mut self, handed: Handed) -> Outcome<A::Fences> {
-        self.cover.claimed(&handed);
+        self.cover.taken(&handed);
         // The waiters behind a plain lock's holder queue for its release.
         if let (true, Some(ticket)) = (self.hand_off, self.ticket()) {
             ticket.holding(handed.lease_until(self.ttl));
         }
-        self.settle(Won::Handed(handed))
+        self.finish(Won::Handed(handed))
     }
 
-    /// The request settled: the cover goes (giving back what it still covers), the ticket
+    /// The request ended: the cover goes (giving back what it still covers), the ticket
     /// stays with the outcome.
-    fn settle(&mut self, won: Won<A::Fences>) -> Outcome<A::Fences> {
+    fn finish(&mut self, won: Won<A::Fences>) -> Outcome<A::Fences> {
         let ticket = self.ticket.take().map(|(_, ticket)| ticket);
         Outcome {
             won,
@@ -490,7 +493,7 @@ impl<'a, A: Claim> Engine<'a, A> {
     }
 
     fn has_waiters(&self) -> bool {
-        self.inner.waiters.has_waiters(self.ask.wake(0))
+        self.inner.waiters.has_waiters(self.claim.wake(0))
     }
 
     fn name(&self, at: usize) -> &str {

@@ -23,7 +23,7 @@ pub(super) fn granted(
     let (sent, fence, local) = match won {
         Won::Asked { won, sent } => (sent, won, None),
         Won::Handed(handed) => {
-            let (sent, local) = handed.claim();
+            let (sent, local) = handed.take();
             (sent, 0, local)
         }
     };
@@ -141,13 +141,13 @@ impl Held {
             lease,
             guards: AtomicUsize::new(1),
             keep_until: Mutex::new(keep_until),
-            cohort: !plan.options.solo,
+            cohort: !plan.options.server_path,
             passes,
             run: std::sync::OnceLock::new(),
             set: std::sync::OnceLock::new(),
             wrote: std::sync::atomic::AtomicBool::new(false),
         });
-        if !plan.options.unrecorded {
+        if !plan.options.recorded_by_caller {
             context::record(&held);
         }
         held

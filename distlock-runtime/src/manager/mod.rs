@@ -269,7 +269,7 @@ impl Inner {
     }
 
     /// The same, shared: what a grant handed to a waiter of this manager gives itself back
-    /// through if nobody claims it (no allocation per hand-off).
+    /// through if nobody takes it (no allocation per hand-off).
     pub(crate) fn giver(&self) -> Arc<Releaser> {
         Arc::clone(&self.giver)
     }

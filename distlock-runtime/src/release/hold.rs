@@ -66,7 +66,7 @@ impl LockGuard {
             lease: Some(self.parts.lease.clone()),
             run: self.parts.held.run.get().cloned(),
             resent,
-            hold: true,
+            held_here: true,
         }
     }
 
@@ -208,7 +208,7 @@ impl LockGuard {
         match (&answer, run) {
             // The release sent next settles the run.
             (Err(error), _) if error.is_io_error() => {}
-            (answer, Some(run)) => run.settle(answer.clone()),
+            (answer, Some(run)) => run.ended_by(answer.clone()),
             (_, None) => {}
         }
         match answer {
@@ -223,7 +223,7 @@ impl LockGuard {
                 // an error, or this future dropped midway, drops it armed, which releases
                 // from the manager's runtime.
                 if let Err(mut handed) = handed
-                    && let Some(next) = handed.unclaimed()
+                    && let Some(next) = handed.untaken()
                 {
                     let given = OneHold::new(next.clone(), None);
                     let outcome = inner

@@ -3,7 +3,7 @@
 //! What a release gives back is a [`GiveBack`]: one hold ([`OneHold`]: plain, shared, write
 //! or fair) or the locks of a set ([`SetRelease`]). Every release, whoever sends it (a
 //! guard's `release`, its `Drop`, a release sent again after its future was dropped,
-//! shutdown, a hand-off nobody claimed, the cover behind an abandoned or late attempt), goes
+//! shutdown, a hand-off nobody took, the cover behind an abandoned or late attempt), goes
 //! through [`Releaser::give_back`]: it sends the release, sends it once more after a lost
 //! reply, and ends each lock in [`settle`], a pure function of the reply, whether it answered
 //! a resend and what the lease knows. Then it does, once for every kind and for sets, what a
@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use crate::backend::{Backend, FairRelease, HoldIds, SetKey, SetRequest};
 use crate::cohort::CohortRun;
 use crate::driver::Driver;
-use crate::handed::{Handed, Unclaimed};
+use crate::handed::{Handed, UntakenGiver};
 use crate::lease::{LeaseState, keep_from};
 use crate::waiters::{Grant, Waiters};
 
@@ -251,7 +251,7 @@ pub(crate) struct Known {
     pub(crate) resent: bool,
     /// What is given back was held by this manager (not what an attempt may hold): once
     /// Redis answers, none of this manager holds it, and its local waiters are woken to ask.
-    pub(crate) hold: bool,
+    pub(crate) held_here: bool,
 }
 
 impl Known {
@@ -259,7 +259,7 @@ impl Known {
     pub(crate) fn hold(lease: Arc<LeaseState>) -> Self {
         Self {
             lease: Some(lease),
-            hold: true,
+            held_here: true,
             ..Self::default()
         }
     }
@@ -307,7 +307,7 @@ impl Releaser {
         self.cover_late(&given);
         let outcome = self.send_and_settle(&given, &known).await;
         if let Some(run) = &known.run {
-            run.settle(outcome.answer());
+            run.ended_by(outcome.answer());
         }
         if let (Outcome::Lost(_), Some(lease)) = (&outcome, &known.lease) {
             lease.mark_lost();
@@ -349,7 +349,7 @@ impl Releaser {
                     }
                     _ => {}
                 }
-                self.owe(given, at, freed, sent, known.hold);
+                self.owe(given, at, freed, sent, known.held_here);
             }
             return outcome;
         }
@@ -357,9 +357,16 @@ impl Releaser {
     }
 
     /// What a release owes once Redis told what it did with lock `at` (sent at `sent`):
-    /// the same for every kind and for sets. `hold`: what was given back was a hold (not
+    /// the same for every kind and for sets. `held_here`: what was given back was a hold (not
     /// what an attempt may hold), so none of this manager holds the lock any more.
-    fn owe<G: GiveBack>(&self, given: &G, at: usize, freed: &Answer, sent: Instant, hold: bool) {
+    fn owe<G: GiveBack>(
+        &self,
+        given: &G,
+        at: usize,
+        freed: &Answer,
+        sent: Instant,
+        held_here: bool,
+    ) {
         let wake = given.wake(at);
         match (freed, given.yielding()) {
             (Answer::Granted(next), _) => match given.fair() {
@@ -373,7 +380,7 @@ impl Releaser {
             (_, Some(_)) => self.waiters.unyielded(wake),
             (Answer::Freed | Answer::Yielded(_), None) => self.waiters.released(wake),
             // Nobody of this manager holds it: the local head asks the server.
-            (Answer::NotHeld, None) if hold => self.waiters.released(wake),
+            (Answer::NotHeld, None) if held_here => self.waiters.released(wake),
             (Answer::NotHeld, None) => {}
         }
     }
@@ -463,7 +470,7 @@ impl Releaser {
     }
 
     /// A lock held as `ids`, handed over at `sent` by this manager, that gives itself back
-    /// through this releaser if nobody claims it.
+    /// through this releaser if nobody takes it.
     pub(crate) fn handed(
         &self,
         sent: Instant,
@@ -474,11 +481,11 @@ impl Releaser {
     }
 }
 
-impl Unclaimed for Releaser {
+impl UntakenGiver for Releaser {
     fn give_back(&self, ids: Arc<HoldIds>, run: Option<Arc<CohortRun>>) {
         let known = Known {
             run,
-            hold: true,
+            held_here: true,
             ..Known::default()
         };
         self.in_background(OneHold::new(ids, None), known);

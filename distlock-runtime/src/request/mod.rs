@@ -117,15 +117,15 @@ pub(crate) struct Options {
     pub(crate) reentrant: bool,
     pub(crate) min_hold: Option<Duration>,
     pub(crate) fair: bool,
-    /// Taken and given back on its own: never by or into a local pass (opted out of cohorts,
-    /// or a set).
-    pub(crate) solo: bool,
+    /// Taken and given back on the server path only: never by or into a local pass (opted
+    /// out of cohorts, or a set).
+    pub(crate) server_path: bool,
     /// A busy error is returned without looking up who holds the lock (`try_acquire` drops
     /// the error).
     pub(crate) skip_holder_lookup: bool,
-    /// The hold is left out of the current frame: an annotated call records it in the frame
-    /// it opens for its body instead.
-    pub(crate) unrecorded: bool,
+    /// The hold is recorded by the caller, not in the current frame: an annotated call
+    /// records it in the frame it opens for its body.
+    pub(crate) recorded_by_caller: bool,
 }
 
 impl<T: fmt::Debug> fmt::Debug for LockRequest<'_, T> {
@@ -138,10 +138,10 @@ impl<T: fmt::Debug> fmt::Debug for LockRequest<'_, T> {
 }
 
 impl<T> LockRequest<'_, T> {
-    /// Leaves the hold out of the current frame: the caller runs the code it protects in a
+    /// Leaves the hold to the caller to record: it runs the code the hold protects in a
     /// frame of its own that holds it.
-    pub(crate) fn unrecorded(mut self) -> Self {
-        self.options.unrecorded = true;
+    pub(crate) fn recorded_by_caller(mut self) -> Self {
+        self.options.recorded_by_caller = true;
         self
     }
 
@@ -283,7 +283,7 @@ impl LockRequest<'_> {
     /// when the hold was taken away (then no pass is made any more, and `lost()` fires for
     /// the holder that has it).
     pub fn cohort(mut self, cohort: bool) -> Self {
-        self.options.solo = !cohort;
+        self.options.server_path = !cohort;
         self
     }
 }

@@ -177,7 +177,7 @@ impl MultiLockRequest<'_> {
             ));
         }
         // A set never passes locally.
-        self.options.solo = true;
+        self.options.server_path = true;
         let plan = self.plan(RequestKind::Exclusive, keys, "a lock set")?;
         check_holds(&plan.options)?;
         Ok(plan)

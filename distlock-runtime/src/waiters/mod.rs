@@ -23,7 +23,7 @@
 //! reader routes to that waiter alone; a release by this manager that grants one of its own
 //! waiters hands the grant to that waiter's standing offer instead, in-process.
 //!
-//! A grant travels to its waiter as a [`Handed`], which gives the lock back if nobody claims
+//! A grant travels to its waiter as a [`Handed`], which gives the lock back if nobody takes
 //! it. Releases themselves are sent by `release`, which tells the queue what they did.
 
 use std::collections::{HashMap, VecDeque};

@@ -51,7 +51,7 @@ async fn renew_batch(shared: &Renewals, backend: &Backend, waiters: &Waiters, ba
             Ok(results) => {
                 // Each lock of a lease found lost: its waiters here, queued behind its holder,
                 // ask the server now (a key deleted under its holder announces nothing).
-                for hold in settle(shared, batch, &holds, results, sent) {
+                for hold in apply_answers(shared, batch, &holds, results, sent) {
                     waiters.released(&hold.wake);
                 }
             }
@@ -67,12 +67,12 @@ async fn renew_batch(shared: &Renewals, backend: &Backend, waiters: &Waiters, ba
     }
 }
 
-/// Settles each lease of `batch` from the answers to its holds' renewals (`None`: that
+/// Applies to each lease of `batch` the answers to its holds' renewals (`None`: that
 /// hold's slot did not answer, its master cut off or frozen, while other slots did). A lease
 /// whose every hold answered is renewed or lost on those answers alone; one with an
 /// unanswered hold and none refused is tried again soon, as if the whole call had failed:
 /// one master's trouble never costs a lease on another.
-fn settle(
+fn apply_answers(
     shared: &Renewals,
     batch: &[Due],
     holds: &[Cow<'_, [Arc<HoldIds>]>],

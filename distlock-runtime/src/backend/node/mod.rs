@@ -451,7 +451,7 @@ impl Node {
         } = hold;
         let mut conn = self.conn().await?;
         if shared {
-            let call = scripts::holds(lock, token);
+            let call = scripts::share_held(lock, token);
             let held: i64 = self.watch(self.bounded(call.invoke_async(&mut conn)).await)?;
             return Ok(held == 1);
         }
