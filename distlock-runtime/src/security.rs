@@ -108,11 +108,12 @@ impl Security {
             }
             info = info.set_redis_settings(redis);
         }
-        self.tls_client(info)
+        self.client_for(info)
     }
 
-    /// A client for a Sentinel at `info`: its URL's credentials, the configured certificates.
-    pub(crate) fn tls_client(&self, mut info: ConnectionInfo) -> RedisResult<Client> {
+    /// A client for `info` (a Sentinel, a shard's master): its URL's credentials, and the
+    /// configured certificates when it is reached over TLS.
+    pub(crate) fn client_for(&self, mut info: ConnectionInfo) -> RedisResult<Client> {
         if let Some(socket) = self.socket {
             let settings = socket.apply(info.tcp_settings().clone());
             info = info.set_tcp_settings(settings);

@@ -28,7 +28,7 @@ pub(super) struct Pool {
     /// when it names a new one), or a Cluster's first seed (for pub/sub).
     pub(super) client: Mutex<Client>,
     /// For RedLock masters: is this still the server we knew (its run_id)?
-    pub(super) identity: Mutex<Identity>,
+    pub(super) server_run: Mutex<ServerRun>,
     /// How long a RedLock master that restarted stays out of quorums.
     pub(super) restart_delay: Duration,
     /// What bounds each connect and each answer of the shared connections.
@@ -75,9 +75,9 @@ pub(crate) enum NativeDelete {
     DelEx,
 }
 
-/// What a node knows about the server behind it.
+/// Which run of the server a node reaches (its run_id), and whether it may have restarted.
 #[derive(Debug, Default)]
-pub(super) struct Identity {
+pub(super) struct ServerRun {
     /// The server's run_id, as last read.
     pub(super) run_id: Option<String>,
     /// The connection was lost: the server may have restarted.
@@ -98,7 +98,7 @@ impl Pool {
             .set_response_timeout(Some(options.response_timeout));
         Ok(Self {
             client: Mutex::new(client),
-            identity: Mutex::new(Identity::default()),
+            server_run: Mutex::new(ServerRun::default()),
             restart_delay: options.restart_delay,
             config,
             response_timeout: options.response_timeout,
@@ -125,8 +125,8 @@ impl Pool {
     }
 
     /// What is known of the server behind the connections.
-    pub(super) fn lock_identity(&self) -> MutexGuard<'_, Identity> {
-        self.identity.lock().unwrap_or_else(|e| e.into_inner())
+    pub(super) fn lock_server_run(&self) -> MutexGuard<'_, ServerRun> {
+        self.server_run.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// A new link to the server, for the current runtime. A connection the server ended may
@@ -135,7 +135,7 @@ impl Pool {
         let pool = Arc::downgrade(self);
         let lost = Arc::new(move || {
             if let Some(pool) = pool.upgrade() {
-                pool.identity
+                pool.server_run
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .suspect = true;

@@ -54,7 +54,7 @@ impl RedLock {
             let first = loaded.into_iter().find_map(Result::err);
             return Err(first.unwrap_or_else(|| io::Error::other("no node reachable").into()));
         }
-        let unchecked = nodes.iter().filter(|n| n.identity_unchecked()).count();
+        let unchecked = nodes.iter().filter(|n| n.restarts_unchecked()).count();
         if unchecked > 0 {
             tracing::warn!(
                 masters = unchecked,

@@ -98,7 +98,7 @@ impl Sentinel {
                 }
             };
             let ask = async {
-                let client = self.security.tls_client(info.clone())?;
+                let client = self.security.client_for(info.clone())?;
                 let mut conn = client.get_multiplexed_async_connection().await?;
                 let addr: Option<(String, u16)> = redis::cmd("SENTINEL")
                     .arg("get-master-addr-by-name")

@@ -96,7 +96,7 @@ impl Node {
         let client = self
             .pool
             .security
-            .tls_client(info.set_addr(addr).set_redis_settings(settings))?;
+            .client_for(info.set_addr(addr).set_redis_settings(settings))?;
         let mut config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.pool.connect_timeout))
             .set_response_timeout(Some(self.pool.response_timeout));

@@ -58,7 +58,7 @@ async fn acquire_one(request: LockRequest<'_>) -> Result<LockGuard, LockError> {
     };
     let result = match asking {
         Ok(Asking::Nested(plan, held)) => nest(manager, *plan, held).instrument(span).await,
-        Ok(Asking::Server(asking)) => {
+        Ok(Asking::FromServer(asking)) => {
             let taking = async {
                 let result = take(manager, asking).await;
                 crate::trace::acquired(&tracing::Span::current(), &result);
@@ -91,13 +91,13 @@ async fn acquire_one(request: LockRequest<'_>) -> Result<LockGuard, LockError> {
 enum Asking {
     /// The task already owns the lock, and this is a nested hold of it.
     Nested(Box<Plan<Keys>>, Arc<Held>),
-    /// The lock.
-    Server(Box<Server>),
+    /// Not held here: the lock is asked of the server.
+    FromServer(Box<Prepared>),
 }
 
 /// A request for one lock ready to be sent: its plan, what each attempt sends, and the kind
 /// of hold it gives.
-struct Server {
+struct Prepared {
     plan: Plan<Keys>,
     request: Arc<AcquireRequest>,
     kind: HoldKind,
@@ -125,7 +125,7 @@ fn ask(manager: &LockManager, mut plan: Plan<Keys>) -> Result<Asking, LockError>
         fencing: plan.options.fencing,
         reentrant: plan.options.reentrant,
     });
-    Ok(Asking::Server(Box::new(Server {
+    Ok(Asking::FromServer(Box::new(Prepared {
         plan,
         request,
         kind,
@@ -133,9 +133,9 @@ fn ask(manager: &LockManager, mut plan: Plan<Keys>) -> Result<Asking, LockError>
 }
 
 /// Takes the lock from the server (or from a local release).
-async fn take(manager: &LockManager, asking: Box<Server>) -> Result<LockGuard, LockError> {
+async fn take(manager: &LockManager, asking: Box<Prepared>) -> Result<LockGuard, LockError> {
     let inner = &manager.inner;
-    let Server {
+    let Prepared {
         plan,
         request,
         kind,

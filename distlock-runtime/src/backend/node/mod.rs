@@ -112,7 +112,7 @@ impl Node {
         if let Err(error) = &result {
             if error.is_io_error() || error.is_connection_dropped() || error.is_connection_refusal()
             {
-                self.pool.lock_identity().suspect = true;
+                self.pool.lock_server_run().suspect = true;
             }
             self.route.failed(&self.pool, error);
         }
@@ -141,12 +141,12 @@ impl Node {
             match self.run_id().await {
                 Ok(run_id) => {
                     // Just read: the connection that read it needs no second look.
-                    let mut identity = self.pool.lock_identity();
-                    identity.run_id = Some(run_id);
-                    identity.suspect = false;
+                    let mut server = self.pool.lock_server_run();
+                    server.run_id = Some(run_id);
+                    server.suspect = false;
                 }
                 // INFO is `@dangerous`: a user without it works, unchecked for restarts.
-                Err(error) if denied(&error) => self.pool.lock_identity().unchecked = true,
+                Err(error) if denied(&error) => self.pool.lock_server_run().unchecked = true,
                 Err(error) => return Err(error),
             }
         }
@@ -216,8 +216,8 @@ impl Node {
     }
 
     /// Whether INFO was denied at `load_scripts`, so that a restart cannot be noticed.
-    pub(crate) fn identity_unchecked(&self) -> bool {
-        self.pool.lock_identity().unchecked
+    pub(crate) fn restarts_unchecked(&self) -> bool {
+        self.pool.lock_server_run().unchecked
     }
 
     /// Sends the first of `cmds` that the user may run to the master behind this node (on
@@ -341,17 +341,17 @@ impl Node {
     /// that lock's lease may still run elsewhere.
     pub(crate) async fn eligible(&self) -> bool {
         let (suspect, known) = {
-            let identity = self.pool.lock_identity();
-            if identity.unchecked {
+            let server = self.pool.lock_server_run();
+            if server.unchecked {
                 return true;
             }
-            if identity
+            if server
                 .excluded_until
                 .is_some_and(|until| std::time::Instant::now() < until)
             {
                 return false;
             }
-            (identity.suspect, identity.run_id.clone())
+            (server.suspect, server.run_id.clone())
         };
         if !suspect && known.is_some() {
             return true;
@@ -359,14 +359,14 @@ impl Node {
         let Ok(current) = self.run_id().await else {
             return false;
         };
-        let mut identity = self.pool.lock_identity();
-        identity.suspect = false;
+        let mut server = self.pool.lock_server_run();
+        server.suspect = false;
         if known.is_some_and(|known| known != current) {
             tracing::warn!(delay = ?self.pool.restart_delay, "a RedLock master restarted: kept out of quorums");
-            identity.excluded_until = Some(std::time::Instant::now() + self.pool.restart_delay);
+            server.excluded_until = Some(std::time::Instant::now() + self.pool.restart_delay);
         }
-        identity.run_id = Some(current);
-        identity
+        server.run_id = Some(current);
+        server
             .excluded_until
             .is_none_or(|until| std::time::Instant::now() >= until)
     }
@@ -390,7 +390,7 @@ impl Node {
             // one follows an error, which made the server suspect already.) When this runtime
             // shuts down it drops its tasks, the watching one among them, and the runtime's
             // connections go with it (each holds resources of that runtime).
-            self.pool.lock_identity().suspect = true;
+            self.pool.lock_server_run().suspect = true;
         }
         Ok(conn)
     }
