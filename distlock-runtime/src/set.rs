@@ -26,7 +26,8 @@ use crate::lease::{LeaseState, check_ttl, keep_from};
 use crate::lock;
 use crate::manager::{Inner, LockManager};
 use crate::release::{Known, Outcome, Resend, SetRelease, Unanswered};
-use crate::request::{KeySet, LockRequest, MultiLockRequest, Plan, Target};
+use crate::request::plan::Plan;
+use crate::request::{KeySet, LockRequest, MultiLockRequest, Target};
 use crate::token::new_token;
 use crate::watchdog::{Leased, Registration};
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use super::{Attempted, Claim};
+use super::claim::{Attempted, Claim};
 use crate::backend::AcquireAnswer;
 use crate::error::LockError;
 use crate::handed::Handed;

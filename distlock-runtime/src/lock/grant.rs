@@ -1,7 +1,21 @@
 //! A guard's assembly: from what a request won (granted by the server, handed over by a
 //! local release, or passed within a cohort) to its hold record, renewal and guard.
 
-use super::*;
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::backend::{AcquireRequest, HoldIds};
+use crate::context;
+use crate::engine::{Outcome, Won};
+use crate::guard::{Acquired, LockGuard, Parts};
+use crate::handed::LocalPass;
+use crate::held::{Held, HoldKind};
+use crate::key::Keys;
+use crate::lease::{LeaseState, keep_until};
+use crate::manager::{Inner, LockManager};
+use crate::request::plan::Plan;
+use crate::watchdog::{Leased, Registration, Renewable};
 
 /// The guard of what a request won: granted by the server, handed over by a local release,
 /// or passed locally within a cohort.

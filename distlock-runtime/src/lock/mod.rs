@@ -1,36 +1,31 @@
-//! One lock: what a request's attempts send (its [`Claim`](crate::engine::Claim)), and the
+//! One lock: what a request's attempts send (its [`Claim`]), and the
 //! release behind them when the request ends without the lock. A nested hold's rule is in
 //! `nest.rs`; a guard's assembly, from what the request won, in `grant.rs`.
 
 use std::future::Future;
-use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::Instrument;
 
 use crate::backend::{AcquireAnswer, AcquireRequest, HoldIds, Shape};
-use crate::context;
-use crate::engine::{Attempted, Claim, Cover, Engine, Outcome, Won};
+use crate::engine::{Attempted, Claim, Cover, Engine, Outcome};
 use crate::error::LockError;
-use crate::guard::{Acquired, LockGuard, Parts};
-use crate::handed::LocalPass;
+use crate::guard::LockGuard;
 use crate::held::{Held, HoldKind};
 use crate::key::Keys;
 use crate::kind::RequestKind;
-use crate::lease::LeaseState;
-use crate::lease::keep_until;
 use crate::manager::{Inner, LockManager};
 use crate::release::{Known, OneHold};
-use crate::request::{LockRequest, Plan, Single, Target};
-use crate::watchdog::{Leased, Registration, Renewable};
+use crate::request::plan::Plan;
+use crate::request::{LockRequest, Single, Target};
+use crate::token::new_token;
 
 mod grant;
 mod nest;
 
-use crate::token::new_token;
+use grant::granted;
 pub(crate) use grant::register_renewal;
-use grant::{build, granted};
 pub(crate) use nest::{nest, outer_hold};
 
 impl Target for Single {

@@ -2,7 +2,21 @@
 //! holds what a request asks for, and the nested hold it then gets, once the server confirms
 //! that the outer hold still holds the lock.
 
-use super::*;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::context;
+use crate::error::LockError;
+use crate::guard::{Acquired, LockGuard};
+use crate::held::{Held, HoldKind};
+use crate::key::Keys;
+use crate::kind::RequestKind;
+use crate::lease::keep_until;
+use crate::manager::LockManager;
+use crate::request::plan::Plan;
+use crate::watchdog::Leased;
+
+use super::grant::{build, register_renewal};
 
 /// Whether this task already holds the lock `plan` asks for, in a way that makes the request
 /// a nested hold of it (`Some`), a fresh owner (`None`), or a mistake (an error).

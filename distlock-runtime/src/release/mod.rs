@@ -31,7 +31,6 @@ use crate::handed::{Handed, UntakenGiver};
 use crate::lease::{LeaseState, keep_from};
 use crate::waiters::{Grant, Waiters};
 
-mod hold;
 mod settle;
 
 pub(crate) use settle::{Reply, Step, settle};

@@ -14,10 +14,8 @@ use crate::manager::LockManager;
 use crate::metrics::Labels;
 use crate::retry::Backoff;
 
-mod plan;
+pub(crate) mod plan;
 mod start;
-
-pub(crate) use plan::Plan;
 
 /// A request for a lock (or, as [`MultiLockRequest`], for a set of locks taken together),
 /// built by [`LockManager::lock`] and its siblings; send it with `acquire` or `try_acquire`.

@@ -13,6 +13,8 @@ use crate::manager::LockManager;
 use crate::release::{Resend, Unanswered};
 use crate::watchdog::Registration;
 
+mod give_back;
+
 /// How an acquisition went: attempts made and time spent before the lock was held.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Acquired {

@@ -1,18 +1,19 @@
 //! How a guard gives its hold back once its owner's last guard leaves: to a waiter of this
 //! manager (passed as it is within a cohort, or handed over in the release's own round
 //! trip), to every process at the end of a run of hand-offs, or to everyone. Every way that
-//! asks the server to give the hold back goes through [`Releaser::give_back`]; a hand-off
+//! asks the server to give the hold back goes through
+//! [`Releaser::give_back`](crate::release::Releaser::give_back); a hand-off
 //! changes the owner instead, and when its answer is lost that release settles it.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{Known, OneHold, Outcome, Unanswered, Yielding};
+use super::LockGuard;
 use crate::backend::HoldIds;
 use crate::cohort::{Checked, CohortRun};
 use crate::error::LockError;
-use crate::guard::LockGuard;
 use crate::handed::{Handed, LocalPass};
+use crate::release::{Known, OneHold, Outcome, Unanswered, Yielding};
 use crate::waiters::{Next, Offer, Passable};
 
 /// What a release did in this process, before the server.
