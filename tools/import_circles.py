@@ -7,13 +7,15 @@ of modules that import each other, directly or through others. The crate root's 
 count too: `use crate::LockError` is an import of `lib.rs`, which imports `error`, so code
 names the module that defines an item.
 
-    python3 tools/import_circles.py          # every crate; exits 1 on a circle
+    python3 tools/import_circles.py          # every crate and example; exits 1 on a circle
 
-A folder (a `mod.rs`, the files beside it and the folders inside it) is one room: its files may name each other
-(a `mod.rs` re-exports its children, and they name the types it defines), and a circle is
-counted between rooms. The circles inside a room are printed too, for information; in
-`lock/`, `engine/` and `request/`, and in the history checker, the files import only
-downward as well.
+A folder (a `mod.rs` or `name.rs` beside `name/`, the files in it and the folders inside it)
+is one room: its files may name each other (a `mod.rs` re-exports its children, and they
+name the types it defines), and a circle is counted between rooms only. The circles inside
+a room are printed too, for information.
+
+Not seen: a name that comes in through a glob import (`use super::*;` then `b::f()`) and
+whatever a macro expands to. A declared module whose file cannot be found stops the check.
 """
 
 import os
@@ -26,7 +28,10 @@ ROOTS = [
     "src/lib.rs",
     "src/bin/distlock/main.rs",
     "tests/integration/main.rs",
-]
+    "tests/ui/ui.rs",
+] + sorted(os.path.join("examples", f) for f in os.listdir(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+) if f.endswith(".rs"))
 
 
 def blank(match):
@@ -51,10 +56,15 @@ def block_end(code, at):
     return at
 
 
+# `#[cfg(test)]` or `#[cfg(all(test, …))]`, then any other attributes: a test module.
+TEST_CFG = r"#\[cfg\((?:test|all\(\s*test\b[^\]]*\))\)\]\s*(?:#\[[^\]]*\]\s*)*"
+
+
 def test_spans(code):
-    """The `#[cfg(test)]` (or `cfg(all(test, …))`) modules: tests, not imports."""
+    """The inline test modules: tests, not imports (a test module in a file of its own is
+    left out of the tree by `modules`)."""
     spans = []
-    pattern = r"#\[cfg\([^\]]*\btest\b[^\]]*\)\]\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+\w+\s*\{"
+    pattern = TEST_CFG + r"(?:pub(?:\([^)]*\))?\s+)?mod\s+\w+\s*\{"
     for found in re.finditer(pattern, code):
         spans.append((found.start(), block_end(code, found.end())))
     return spans
@@ -78,10 +88,14 @@ def modules(root):
         ROOMS[path] = room
         text = open(file).read()
         code = code_of(text)
-        for decl in re.finditer(r"(?:pub(?:\([^)]*\))?\s+)?\bmod\s+(\w+)\s*;", code):
-            name = decl.group(1)
-            before = text[max(0, decl.start() - 200) : decl.start()]
-            explicit = re.findall(r'#\[path\s*=\s*"([^"]+)"\]\s*$', before)
+        inline = inline_spans(code)
+        for decl in re.finditer(r"((?:#\[[^\]]*\]\s*)*)(?:pub(?:\([^)]*\))?\s+)?\bmod\s+(\w+)\s*;", code):
+            attributes, name = text[decl.start(1) : decl.end(1)], decl.group(2)
+            if re.match(TEST_CFG + "$", attributes):
+                continue
+            if any(a <= decl.start() < b for a, b in inline):
+                sys.exit(f"{file}: `mod {name};` inside an inline module: not followed")
+            explicit = re.findall(r'\bpath\s*=\s*"([^"]+)"', attributes)
             if explicit:
                 child = os.path.normpath(os.path.join(os.path.dirname(file), explicit[-1]))
             else:
@@ -89,9 +103,11 @@ def modules(root):
                 if not os.path.exists(child):
                     child = os.path.join(children_dir, name, "mod.rs")
             if not os.path.exists(child):
-                continue
-            grandchildren = os.path.dirname(child) if child.endswith("mod.rs") else child[:-3]
-            folder = child.endswith("mod.rs")
+                sys.exit(f"{file}: the file of `mod {name};` is not found")
+            # A `mod.rs`, or a file given by `#[path]`, has its children beside it.
+            beside = child.endswith("mod.rs") or explicit
+            grandchildren = os.path.dirname(child) if beside else child[:-3]
+            folder = child.endswith("mod.rs") or os.path.isdir(child[:-3])
             # A folder is one room with the folders inside it.
             inner = room if room else (path + (name,) if folder else ())
             walk(path + (name,), child, grandchildren, inner)

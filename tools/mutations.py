@@ -260,11 +260,20 @@ def restore(saved):
         (ROOT / file).write_text(source)
 
 
+def test_module(name):
+    """Whether `tests/integration` has the test module `name`."""
+    tests = ROOT / "tests" / "integration"
+    return (tests / f"{name}.rs").is_file() or (tests / name / "mod.rs").is_file()
+
+
 def check():
-    """Every mutation's text occurs exactly once in the file it names: none is left behind
-    by a move of its code (CI runs this; it builds nothing)."""
+    """Every mutation's text occurs exactly once in the file it names, and the test module
+    that owns it exists: none is left behind by a move of its code or its tests (CI runs
+    this; it builds nothing)."""
     stale = []
-    for name, _, edits in MUTATIONS:
+    for name, owner, edits in MUTATIONS:
+        if not test_module(owner):
+            stale.append(f"{name}: no test module tests/integration/{owner}")
         for file, text, _ in edits:
             path = ROOT / file
             count = path.read_text().count(text) if path.is_file() else 0
@@ -284,8 +293,7 @@ def main():
     print("baseline: the unmutated tree must pass", flush=True)
     for name in sorted({"history"} | {m[1] for m in chosen}):
         # A filter that matches no test passes: the module must exist.
-        tests = ROOT / "tests" / "integration"
-        if not ((tests / f"{name}.rs").is_file() or (tests / name / "mod.rs").is_file()):
+        if not test_module(name):
             sys.exit(f"no test module tests/integration/{name}.rs")
         ok, _ = cargo_test(name)
         if not ok:

@@ -211,7 +211,7 @@ impl RedisServer {
         Ok(stream)
     }
 
-    /// Starts the server process and waits until it answers `PING`.
+    /// Starts the server process and waits until it answers as itself (see `wait_until_up`).
     fn launch(&self) -> io::Result<()> {
         let child = self
             .server_command()?
@@ -269,12 +269,16 @@ impl RedisServer {
         Ok(command)
     }
 
-    /// Waits until the server started as `child` answers `PING`, then keeps `child`; kills
-    /// it if it does not answer in time.
+    /// Waits until the port answers as the process started as `child` (`INFO`'s
+    /// `process_id`), then keeps `child`; kills it if it does not answer in time. A server
+    /// binary that forks instead of running in place (a wrapper script, say) never answers as
+    /// `child`: give the server's own binary.
     fn wait_until_up(&self, mut child: Child) -> io::Result<()> {
         let started = Instant::now();
+        let mut seen = None;
         loop {
-            if self.answers_as(child.id()) {
+            seen = self.answering_pid().or(seen);
+            if seen == Some(child.id()) {
                 *self.lock_child() = Some(child);
                 return Ok(());
             }
@@ -289,27 +293,33 @@ impl RedisServer {
                 let _ = child.wait();
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
-                    format!(
-                        "redis-server on port {} did not answer within {START_TIMEOUT:?}",
-                        self.port
-                    ),
+                    match seen {
+                        Some(other) => format!(
+                            "redis-server on port {} did not answer within {START_TIMEOUT:?} as \
+                             its own process (pid {}): the port answered as pid {other}",
+                            self.port,
+                            child.id()
+                        ),
+                        None => format!(
+                            "redis-server on port {} did not answer within {START_TIMEOUT:?}",
+                            self.port
+                        ),
+                    },
                 ));
             }
             std::thread::sleep(Duration::from_millis(5));
         }
     }
 
-    /// Whether the server on this port is the process `pid`. Another test's server may hold
-    /// the port (it was free when chosen, or freed by a kill before a restart): answering
-    /// `PING` is not enough, as this server would then take that one for its own while its
-    /// process fails to bind, and kill that one's clients when it ends.
-    fn answers_as(&self, pid: u32) -> bool {
-        let Ok(info) = self.command(&["INFO", "server"]) else {
-            return false;
-        };
+    /// The process that answers on this port (`INFO`'s `process_id`), if one does. Another
+    /// test's server may hold the port (it was free when chosen, or freed by a kill before a
+    /// restart): answering `PING` is not enough, as this server would then take that one for
+    /// its own while its process fails to bind, and kill that one's clients when it ends.
+    fn answering_pid(&self) -> Option<u32> {
+        let info = self.command(&["INFO", "server"]).ok()?;
         info.lines()
             .find_map(|line| line.trim().strip_prefix("process_id:"))
-            .is_some_and(|id| id.parse() == Ok(pid))
+            .and_then(|id| id.parse().ok())
     }
 
     fn signal(&self, signal: &str) -> io::Result<()> {
@@ -487,8 +497,9 @@ mod tests {
         assert!(!clash.is_running());
         drop(clash);
         let pid = holder.lock_child().as_ref().map(Child::id).unwrap();
-        assert!(
-            holder.answers_as(pid),
+        assert_eq!(
+            holder.answering_pid(),
+            Some(pid),
             "the holder of the port was disturbed"
         );
     }

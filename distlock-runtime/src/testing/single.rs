@@ -8,7 +8,8 @@ use std::sync::{Arc, Mutex, Weak};
 use super::{Password, RedisServer, TestCertificates, find_binary, free_port};
 
 impl RedisServer {
-    /// Starts a server on a free loopback port and waits until it answers `PING`.
+    /// Starts a server on a free loopback port and waits until it answers, as its own
+    /// process (not another server that took the port first).
     pub fn start() -> io::Result<Self> {
         Self::start_with(Vec::new())
     }

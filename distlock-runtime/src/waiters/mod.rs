@@ -13,7 +13,7 @@
 //! A waiter whose request is a plain exclusive lock also leaves an *offer* while it waits (not
 //! while an attempt of its own is in flight): its owner token and lease. A release by this
 //! manager takes the offer of the queue's head and swaps the owner on the server to that
-//! token in its own round trip (see `guard.rs`), then hands the grant over through the
+//! token in its own round trip (see `guard/give_back.rs`), then hands the grant over through the
 //! offer's channel: no publish, no wake-up, no second attempt. A run of such hand-offs is
 //! bounded, so that other processes get their turn.
 //!

@@ -90,8 +90,6 @@ pub(super) async fn monitor(
             if !matches!(world.probe, Probe::Masters(_)) {
                 world.history.prolonged(key, pttl, sampled, now);
             }
-            state = world.history.lock();
-            drop(state);
             if pttl != Some(-2) {
                 free_since.remove(key);
                 continue;
