@@ -20,9 +20,11 @@ use crate::holder::HolderIdentity;
 use crate::key::Keys;
 use crate::manager::LockManager;
 
+mod leader;
 mod news;
 mod observe;
 
+pub use leader::{LeaderChange, LeaderInfo};
 use news::{News, announce, channel, leader_of, millis};
 pub use observe::Observer;
 use observe::follow;
@@ -347,37 +349,4 @@ impl Drop for Leadership {
             crate::metrics::election_ended(&self.election.name, guard.is_lost());
         }
     }
-}
-
-/// Who leads an election, from [`Election::leader`] and [`Observer`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct LeaderInfo {
-    /// The leader's term (see [`Leadership::term`]).
-    pub term: u64,
-    /// The leader's owner token.
-    pub token: String,
-    /// Who the leader is, when its manager's registration is there to read.
-    pub identity: Option<HolderIdentity>,
-    /// When it became leader (its own wall clock), when it said so.
-    pub since: Option<SystemTime>,
-}
-
-impl fmt::Display for LeaderInfo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.identity {
-            Some(identity) => write!(f, "term {}: {identity}", self.term),
-            None => write!(f, "term {}: {} (unknown or gone)", self.term, self.token),
-        }
-    }
-}
-
-/// A change of an election's leader, from [`Observer::next`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum LeaderChange {
-    /// This process leads now (the first event when one leads as observing starts).
-    Leader(LeaderInfo),
-    /// Nobody leads: the leader resigned (or nobody led as observing started).
-    NoLeader,
 }

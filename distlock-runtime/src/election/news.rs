@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::LeaderInfo;
+use super::leader::LeaderInfo;
 use crate::error::LockError;
 use crate::key::Keys;
 use crate::manager::LockManager;

@@ -12,8 +12,8 @@ use futures_util::StreamExt;
 use redis::aio::PubSub;
 use tokio::sync::mpsc;
 
+use super::leader::{LeaderChange, LeaderInfo};
 use super::news::{News, leader_of};
-use super::{LeaderChange, LeaderInfo};
 use crate::backend::Backend;
 use crate::error::LockError;
 use crate::identity::Registry;
